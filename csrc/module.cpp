@@ -1,0 +1,27 @@
+// Python module nt_kernels._C: importing it loads the op registrations
+// (TORCH_LIBRARY blocks in csrc/ops, csrc/cpu, csrc/cuda); build_info() tells
+// `nt-kernels info` what this build contains.
+#include <pybind11/pybind11.h>
+#include <torch/version.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "nt-kernels compiled ops (registered under torch.ops.nt_kernels)";
+  m.def("build_info", []() {
+    py::dict info;
+#ifdef NT_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+#ifdef _OPENMP
+    info["openmp"] = _OPENMP;
+#else
+    info["openmp"] = py::none();
+#endif
+    info["torch"] = TORCH_VERSION;
+    info["compiler"] = __VERSION__;
+    return info;
+  });
+}

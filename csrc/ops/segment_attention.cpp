@@ -1,0 +1,121 @@
+// Op schemas of nt-kernels and the device-independent attention_fwd/bwd pair.
+//
+// attention_fwd/bwd run one pass over the packed tensors: every exact segment
+// goes through softmax_*_into and every Performer segment through
+// performer_*_into, both writing straight into the same output tensors.  The
+// *_into ops are implemented per device (csrc/cpu, csrc/cuda, and the Triton
+// registration in nt_kernels/triton/ops.py); the dispatcher picks the device.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "ops/checks.h"
+
+namespace nt_kernels {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+const c10::OperatorHandle& op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const Tensor& rowptr, const Tensor& exact_segments,
+                                         const Tensor& performer_segments,
+                                         const OptTensor& exact_plan, const OptTensor& projection,
+                                         double scale, double eps) {
+  check_packed("attention_fwd", q, k, v, rowptr);
+  check_segments("attention_fwd", exact_segments, q);
+  check_segments("attention_fwd", performer_segments, q);
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto o = at::zeros_like(qc);
+  auto lse = at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (exact_segments.numel() > 0) {
+    static auto op = op_handle("nt_kernels::softmax_fwd_into")
+                         .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const Tensor&,
+                                     const OptTensor&, double)>();
+    op.call(o, lse, qc, kc, vc, rowptr, exact_segments, exact_plan, scale);
+  }
+  if (performer_segments.numel() > 0) {
+    TORCH_CHECK(projection.has_value(), "attention_fwd: performer segments need a projection");
+    check_projection("attention_fwd", *projection, q);
+    static auto op = op_handle("nt_kernels::performer_fwd_into")
+                         .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const Tensor&, double)>();
+    op.call(o, qc, kc, vc, rowptr, performer_segments, projection->contiguous(), eps);
+  }
+  return {o, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd(
+    const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+    const Tensor& lse, const Tensor& rowptr, const Tensor& exact_segments,
+    const Tensor& performer_segments, const OptTensor& exact_plan, const OptTensor& projection,
+    double scale, double eps) {
+  check_packed("attention_bwd", q, k, v, rowptr);
+  TORCH_CHECK(grad_o.sizes() == q.sizes(), "attention_bwd: grad_o must have q's shape");
+  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  auto go = grad_o.to(q.scalar_type()).contiguous();
+  auto dq = at::zeros_like(qc), dk = at::zeros_like(qc), dv = at::zeros_like(qc);
+  if (exact_segments.numel() > 0) {
+    static auto op = op_handle("nt_kernels::softmax_bwd_into")
+                         .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const Tensor&,
+                                     const OptTensor&, double)>();
+    op.call(dq, dk, dv, go, qc, kc, vc, o.contiguous(), lse.contiguous(), rowptr, exact_segments,
+            exact_plan, scale);
+  }
+  if (performer_segments.numel() > 0) {
+    TORCH_CHECK(projection.has_value(), "attention_bwd: performer segments need a projection");
+    static auto op = op_handle("nt_kernels::performer_bwd_into")
+                         .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                     const Tensor&, const Tensor&, double)>();
+    op.call(dq, dk, dv, go, qc, kc, vc, rowptr, performer_segments, projection->contiguous(), eps);
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nt_kernels, m) {
+  m.def(
+      "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor rowptr, Tensor exact_segments, "
+      "Tensor performer_segments, Tensor? exact_plan, Tensor? projection, float scale, "
+      "float eps) -> (Tensor, Tensor)");
+  m.def(
+      "attention_bwd(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+      "Tensor rowptr, Tensor exact_segments, Tensor performer_segments, Tensor? exact_plan, "
+      "Tensor? projection, float scale, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "softmax_fwd_into(Tensor(a!) o, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor rowptr, Tensor segments, Tensor? plan, float scale) -> ()");
+  m.def(
+      "softmax_bwd_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor grad_o, Tensor q, "
+      "Tensor k, Tensor v, Tensor o, Tensor lse, Tensor rowptr, Tensor segments, Tensor? plan, "
+      "float scale) -> ()");
+  m.def(
+      "performer_fwd_into(Tensor(a!) o, Tensor q, Tensor k, Tensor v, Tensor rowptr, "
+      "Tensor segments, Tensor projection, float eps) -> ()");
+  m.def(
+      "performer_bwd_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor grad_o, Tensor q, "
+      "Tensor k, Tensor v, Tensor rowptr, Tensor segments, Tensor projection, float eps) -> ()");
+}
+
+// The composite pair is device independent; it is registered for each backend
+// key (not CompositeExplicitAutograd) so that the Python fake kernel owns Meta.
+TORCH_LIBRARY_IMPL(nt_kernels, CPU, m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+}
+
+TORCH_LIBRARY_IMPL(nt_kernels, CUDA, m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+}
+
+}  // namespace nt_kernels
