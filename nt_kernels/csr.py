@@ -1,0 +1,151 @@
+"""Messages packed by centre node: the CSR layout every kernel reads (DESIGN §3)."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+__all__ = ["NeighbourhoodCSR", "check_rowptr_values"]
+
+
+def check_rowptr_values(op: str, rowptr: torch.Tensor, num_rows: int) -> None:
+    """Value checks of a CSR row pointer (one host sync): rowptr[0] = 0, non-decreasing, rowptr[-1] = E."""
+    first, last, min_step = torch.stack(
+        [rowptr[0], rowptr[-1], torch.diff(rowptr).min() if rowptr.numel() > 1 else rowptr[0] * 0]
+    ).tolist()
+    if first != 0:
+        raise ValueError(f"{op}: rowptr[0] must be 0, got {first}")
+    if min_step < 0:
+        raise ValueError(f"{op}: rowptr must be non-decreasing")
+    if last != num_rows:
+        raise ValueError(f"{op}: rowptr[-1] must equal the number of packed rows E = {num_rows}, got {last}")
+
+
+class NeighbourhoodCSR:
+    """A graph's messages packed by centre node.
+
+    Edge e = (centre j, receiver k) of ``edge_index`` (row 0 = centre, row 1 =
+    receiver, PyG's source -> target) becomes packed row ``p`` with
+    ``perm[p] = e``; rows of centre j are ``rowptr[j]:rowptr[j + 1]`` in their
+    original edge order (stable sort).  Execution plans built for this graph
+    are cached on the object (``plan``), never in module-level globals.
+    """
+
+    def __init__(self, rowptr: torch.Tensor, perm: torch.Tensor, receiver: torch.Tensor,
+                 num_nodes: int, max_degree: int):
+        self.rowptr = rowptr
+        self.perm = perm
+        self.receiver = receiver
+        self.num_nodes = num_nodes
+        self.max_degree = max_degree
+        self._plans: dict = {}
+
+    @classmethod
+    def from_edge_index(cls, edge_index: torch.Tensor, num_nodes: int | None = None) -> "NeighbourhoodCSR":
+        """Pack ``edge_index`` (2, E) by centre node with a stable sort on its device."""
+        op = "NeighbourhoodCSR.from_edge_index"
+        if not isinstance(edge_index, torch.Tensor):
+            raise TypeError(f"{op}: edge_index must be a torch.Tensor, got {type(edge_index).__name__}")
+        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"{op}: edge_index must have shape (2, E), got {tuple(edge_index.shape)}")
+        if edge_index.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{op}: edge_index must be int32 or int64, got {edge_index.dtype}")
+        if num_nodes is not None and (isinstance(num_nodes, bool) or not isinstance(num_nodes, int)):
+            raise TypeError(f"{op}: num_nodes must be an int or None, got {type(num_nodes).__name__}")
+        if num_nodes is not None and num_nodes < 0:
+            raise ValueError(f"{op}: num_nodes must be non-negative, got {num_nodes}")
+        edge_index = edge_index.long()
+        num_edges = edge_index.shape[1]
+        if num_edges:
+            lo, hi = torch.stack([edge_index.min(), edge_index.max()]).tolist()
+            if lo < 0:
+                raise ValueError(f"{op}: edge_index has a negative node index ({lo})")
+            if num_nodes is None:
+                num_nodes = hi + 1
+            elif hi >= num_nodes:
+                raise ValueError(f"{op}: edge_index has node index {hi} out of range for num_nodes={num_nodes}")
+        elif num_nodes is None:
+            num_nodes = 0
+        centre, receiver = edge_index[0], edge_index[1]
+        perm = torch.sort(centre, stable=True).indices
+        degree = torch.bincount(centre, minlength=num_nodes)
+        rowptr = torch.zeros(num_nodes + 1, dtype=torch.long, device=edge_index.device)
+        torch.cumsum(degree, 0, out=rowptr[1:])
+        max_degree = int(degree.max()) if num_nodes else 0
+        return cls(rowptr, perm, receiver[perm], num_nodes, max_degree)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_edges(self) -> int:
+        return self.perm.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.rowptr.device
+
+    @property
+    def degree(self) -> torch.Tensor:
+        """(N,) number of packed rows (messages) of every centre node."""
+        return torch.diff(self.rowptr)
+
+    @property
+    def centre(self) -> torch.Tensor:
+        """(E,) segment id (centre node) of every packed row."""
+        return self.plan("centre", lambda: torch.repeat_interleave(
+            torch.arange(self.num_nodes, device=self.device), self.degree, output_size=self.num_edges))
+
+    @property
+    def size_hist(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sizes, counts): distinct segment sizes in increasing order and how many segments have each."""
+        return self.plan("size_hist", lambda: torch.unique(self.degree, return_counts=True))
+
+    # ---------------------------------------------------------------- packing
+    def pack(self, edge_tensor: torch.Tensor) -> torch.Tensor:
+        """Reorder a per-edge tensor (E, ...) in original edge order into packed order."""
+        self._check_rows("pack", edge_tensor)
+        return edge_tensor.index_select(0, self.perm)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`pack`: packed rows back to original edge order (differentiable)."""
+        self._check_rows("unpack", packed)
+        return packed.new_zeros(packed.shape).index_copy(0, self.perm, packed)
+
+    def _check_rows(self, op: str, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != self.num_edges:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"NeighbourhoodCSR.{op}: expected a tensor with E = {self.num_edges} rows, got {shape}")
+        if t.device != self.device:
+            raise ValueError(f"NeighbourhoodCSR.{op}: tensor is on {t.device}, the graph on {self.device}")
+
+    # ------------------------------------------------------------------ plans
+    def plan(self, key, build: Callable[[], object]):
+        """Cached per-graph execution plan: ``build()`` runs once per ``key``."""
+        if key not in self._plans:
+            self._plans[key] = build()
+        return self._plans[key]
+
+    def segment_split(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment ids taking exact attention (size <= threshold) and Performer (size > threshold)."""
+        return self.plan(("split", float(threshold)), lambda: split_segments(self.rowptr, threshold))
+
+    def to(self, device) -> "NeighbourhoodCSR":
+        """A copy on ``device`` (plans are rebuilt there lazily)."""
+        device = torch.device(device)
+        return NeighbourhoodCSR(self.rowptr.to(device), self.perm.to(device), self.receiver.to(device),
+                                self.num_nodes, self.max_degree)
+
+    def __repr__(self) -> str:
+        return (f"NeighbourhoodCSR(num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
+                f"max_degree={self.max_degree}, device={self.device})")
+
+
+def split_segments(rowptr: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split segment ids by size: (n <= threshold, n > threshold). Empty segments go nowhere."""
+    sizes = torch.diff(rowptr)
+    if math.isinf(threshold) and threshold > 0:
+        large = torch.zeros_like(sizes, dtype=torch.bool)
+    else:
+        large = sizes > threshold
+    small = (sizes > 0) & ~large
+    return small.nonzero().flatten(), large.nonzero().flatten()

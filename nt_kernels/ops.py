@@ -1,0 +1,149 @@
+"""Public segment-attention ops: checks, defaults and plans over the torch.library ops.
+
+All three public functions run through one op pair, ``nt_kernels::attention_fwd``
+and ``nt_kernels::attention_bwd`` (schemas in csrc/ops/segment_attention.cpp),
+which take the exact and the Performer segment lists and write both into one
+output.  This module gives that pair its fake (meta) kernels and autograd.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nt_kernels import _checks
+from nt_kernels.csr import NeighbourhoodCSR, split_segments
+from nt_kernels.performer import switch_threshold
+
+__all__ = ["neighbourhood_attention", "segment_performer_attention", "segment_softmax_attention"]
+
+DEFAULT_EPS = 1e-4
+_OPS = torch.ops.nt_kernels
+
+
+# --------------------------------------------------------------- fake kernels
+@torch.library.register_fake("nt_kernels::attention_fwd")
+def _attention_fwd_fake(q, k, v, rowptr, exact_segments, performer_segments, exact_plan,
+                        projection, scale, eps):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.register_fake("nt_kernels::attention_bwd")
+def _attention_bwd_fake(grad_o, q, k, v, o, lse, rowptr, exact_segments, performer_segments,
+                        exact_plan, projection, scale, eps):
+    return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+
+
+def _into_fake(*args, **kwargs):
+    return None
+
+
+for _name in ("softmax_fwd_into", "softmax_bwd_into", "performer_fwd_into", "performer_bwd_into"):
+    torch.library.register_fake(f"nt_kernels::{_name}")(_into_fake)
+
+
+# ------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output):
+    q, k, v, rowptr, exact_segments, performer_segments, exact_plan, projection, scale, eps = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, rowptr, exact_segments, performer_segments)
+    ctx.exact_plan = exact_plan
+    ctx.projection = projection
+    ctx.scale = scale
+    ctx.eps = eps
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, rowptr, exact_segments, performer_segments = ctx.saved_tensors
+    dq, dk, dv = _OPS.attention_bwd(grad_o, q, k, v, o, lse, rowptr, exact_segments,
+                                    performer_segments, ctx.exact_plan, ctx.projection,
+                                    ctx.scale, ctx.eps)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("nt_kernels::attention_fwd", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------- public
+def _rowptr_of(op: str, csr_or_rowptr, q: torch.Tensor):
+    """(rowptr, csr or None) from a NeighbourhoodCSR or a raw rowptr tensor."""
+    if isinstance(csr_or_rowptr, NeighbourhoodCSR):
+        _checks.check_csr(op, csr_or_rowptr, q)
+        return csr_or_rowptr.rowptr, csr_or_rowptr
+    return _checks.check_rowptr(op, csr_or_rowptr, q), None
+
+
+def _default_scale(q: torch.Tensor, scale):
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def _all_segments(rowptr: torch.Tensor) -> torch.Tensor:
+    return torch.arange(rowptr.numel() - 1, device=rowptr.device)
+
+
+def _no_segments(rowptr: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.long, device=rowptr.device)
+
+
+def segment_softmax_attention(q, k, v, rowptr, *, scale=None) -> torch.Tensor:
+    """Exact softmax attention inside every CSR segment of packed (E, H, D) q, k, v.
+
+    ``rowptr`` is an (S+1,) int32/int64 row pointer or a :class:`NeighbourhoodCSR`;
+    ``scale`` defaults to D^-1/2.  Returns o of q's shape and dtype.
+    """
+    op = "segment_softmax_attention"
+    q, k, v = _checks.check_qkv(op, q, k, v)
+    rowptr, _ = _rowptr_of(op, rowptr, q)
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, _all_segments(rowptr), _no_segments(rowptr), None,
+                              None, _default_scale(q, scale), DEFAULT_EPS)
+    return o
+
+
+def segment_performer_attention(q, k, v, rowptr, projection, *, eps=DEFAULT_EPS) -> torch.Tensor:
+    """Performer (FAVOR+) linear attention inside every CSR segment (DESIGN §4).
+
+    ``projection`` is the (m, D) random feature matrix from
+    :func:`orthogonal_random_features`; it receives no gradient.
+    """
+    op = "segment_performer_attention"
+    q, k, v = _checks.check_qkv(op, q, k, v)
+    rowptr, _ = _rowptr_of(op, rowptr, q)
+    projection = _checks.check_projection(op, projection, q)
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, _no_segments(rowptr), _all_segments(rowptr), None,
+                              projection, _default_scale(q, None), float(eps))
+    return o
+
+
+def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshold=None, scale=None,
+                            eps=DEFAULT_EPS) -> torch.Tensor:
+    """Switchable attention: exact for segments of size <= threshold, Performer above.
+
+    ``threshold`` defaults to the paper's n* = m + sqrt(m^2 + D m) for the
+    projection's m; ``math.inf`` forces the exact path and ``0`` Performer.
+    Without a projection every segment takes the exact path (a finite
+    threshold then is an error).  With a :class:`NeighbourhoodCSR` the segment
+    split is cached on it, so repeated calls make no host sync.
+    """
+    op = "neighbourhood_attention"
+    q, k, v = _checks.check_qkv(op, q, k, v)
+    rowptr, csr = _rowptr_of(op, csr_or_rowptr, q)
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or math.isnan(threshold) or threshold < 0):
+        raise ValueError(f"{op}: threshold must be a non-negative number, got {threshold!r}")
+    if projection is None:
+        if threshold is not None and not math.isinf(threshold):
+            raise ValueError(f"{op}: a finite threshold ({threshold}) needs a projection for the "
+                             "Performer path; pass projection= or threshold=math.inf")
+        threshold = math.inf
+    else:
+        projection = _checks.check_projection(op, projection, q)
+        if threshold is None:
+            threshold = switch_threshold(projection.shape[0], q.shape[2])
+    if csr is not None:
+        exact, performer = csr.segment_split(threshold)
+    else:
+        exact, performer = split_segments(rowptr, threshold)
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, None, projection,
+                              _default_scale(q, scale), float(eps))
+    return o
