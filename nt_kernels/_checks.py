@@ -43,7 +43,7 @@ def check_rowptr(op: str, rowptr, q: torch.Tensor) -> torch.Tensor:
     if rowptr.device != q.device:
         raise ValueError(f"{op}: rowptr is on {rowptr.device} but q is on {q.device}")
     rowptr = rowptr.long()
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and rowptr.device.type != "meta":
         check_rowptr_values(op, rowptr, q.shape[0])
     return rowptr
 

@@ -1,0 +1,33 @@
+# nt-kernels developer targets.  `make demo` and `make test` install the package
+# (editable, compiled extension) first when it is missing or its sources changed.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+STAMP := build/.installed-$(shell $(PYTHON) -c "import sys; print(sys.implementation.cache_tag)")
+SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
+
+.PHONY: install demo test bench cuda-check clean
+
+install: $(STAMP)
+
+$(STAMP): $(SOURCES)
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	$(PYTHON) -m pip install "scikit-build-core>=0.10" ninja pybind11 "cmake>=3.24"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,plot]"
+	mkdir -p build && touch $@
+
+demo: $(STAMP)
+	$(PYTHON) -m nt_kernels.cli demo
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PYTHON) -m nt_kernels.cli bench --graph minesweeper
+
+# Compile every csrc/cuda/*.cu for sm_80 and sm_90 (no GPU needed) and
+# syntax-check the torch bindings; fails on a compile error or a register spill.
+cuda-check:
+	bash scripts/cuda_check.sh
+
+clean:
+	rm -rf build

@@ -1,0 +1,87 @@
+"""The ``nt-kernels`` command: info, demo, bench, train."""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+
+import nt_kernels
+from nt_kernels import _C
+
+KERNEL_OPS = {
+    "exact": ("softmax_fwd_into", "softmax_bwd_into"),
+    "performer": ("performer_fwd_into", "performer_bwd_into"),
+}
+KERNEL_NAMES = {
+    ("exact", "CPU"): "C++ (csrc/cpu/segment_softmax_kernel.cpp)",
+    ("performer", "CPU"): "C++ (csrc/cpu/segment_performer_kernel.cpp)",
+    ("exact", "CUDA"): "Triton (nt_kernels/triton)",
+    ("performer", "CUDA"): "CUDA (csrc/cuda/segment_performer_kernel.cu)",
+}
+
+
+def kernel_table() -> dict[str, dict[str, str]]:
+    """Which implementation serves each kernel on each device, read from the dispatcher."""
+    table: dict[str, dict[str, str]] = {}
+    for kind, ops in KERNEL_OPS.items():
+        table[kind] = {}
+        for key in ("CPU", "CUDA"):
+            registered = all(torch._C._dispatch_has_kernel_for_dispatch_key(f"nt_kernels::{name}", key)
+                             for name in ops)
+            table[kind][key] = KERNEL_NAMES[(kind, key)] if registered else "not available"
+    return table
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return "not installed"
+
+
+def run_info(args: argparse.Namespace) -> int:
+    build = _C.build_info()
+    print(f"nt-kernels {nt_kernels.__version__}")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}, "
+          f"torch_geometric {_version('torch_geometric')}")
+    print(f"extension built against torch {build['torch']} with {build['compiler']}, "
+          f"OpenMP {build['openmp']}, CUDA sources {'built' if build['cuda'] else 'not built'}")
+    print(f"CPU: {torch.get_num_threads()} threads")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"CUDA device {i}: {torch.cuda.get_device_name(i)}")
+    else:
+        print("CUDA: no device")
+    for kind, devices in kernel_table().items():
+        for device, impl in devices.items():
+            print(f"{kind:9s} kernel on {device:4s}: {impl}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from nt_kernels import demo
+
+    parser = argparse.ArgumentParser(
+        prog="nt-kernels", description="Padding-free kernels for Neighbourhood Transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="versions, devices and which kernels are built and used")
+    info.set_defaults(func=run_info)
+    demo.add_parser(sub)
+    for module in ("bench", "train"):
+        try:
+            __import__(f"nt_kernels.{module}", fromlist=["add_parser"]).add_parser(sub)
+        except ImportError as exc:
+            if exc.name != f"nt_kernels.{module}":
+                raise
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Public ops on CPU: reference agreement, gradcheck, opcheck, torch.compile, edge cases, errors."""
+import math
+
+import pytest
+import torch
+
+import nt_kernels as nk
+from nt_kernels import NeighbourhoodCSR
+from nt_reference import ops as ref
+
+M, DIM, HEADS = 6, 5, 2
+THRESHOLD = nk.switch_threshold(M, DIM)  # 12.0 for m = 6, D = 5
+N_STAR = math.floor(THRESHOLD)
+SIZES = [0, 1, 2, N_STAR, N_STAR + 1, 0, 3, 40]  # empty, one row, threshold, threshold + 1, a tail
+
+
+def make_inputs(sizes, heads=HEADS, dim=DIM, dtype=torch.float64, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    rowptr = torch.tensor([0] + sizes).cumsum(0)
+    e = int(rowptr[-1])
+    q, k, v = (torch.randn(e, heads, dim, generator=gen, dtype=dtype).requires_grad_(requires_grad)
+               for _ in range(3))
+    projection = nk.orthogonal_random_features(M, dim, generator=gen, dtype=dtype)
+    return q, k, v, rowptr, projection
+
+
+def csr_for(sizes):
+    """The CSR of a graph whose centre j has sizes[j] messages."""
+    centre = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    return NeighbourhoodCSR.from_edge_index(torch.stack([centre, torch.zeros_like(centre)]), len(sizes))
+
+
+OPS = {
+    "softmax": (lambda q, k, v, r, p: nk.segment_softmax_attention(q, k, v, r),
+                lambda q, k, v, r, p: ref.segment_softmax_attention(q, k, v, r)),
+    "performer": (lambda q, k, v, r, p: nk.segment_performer_attention(q, k, v, r, p),
+                  lambda q, k, v, r, p: ref.segment_performer_attention(q, k, v, r, p)),
+    "switch": (lambda q, k, v, r, p: nk.neighbourhood_attention(q, k, v, r, projection=p),
+               lambda q, k, v, r, p: ref.neighbourhood_attention(q, k, v, r, projection=p)),
+}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)],
+                         ids=["float64", "float32"])
+def test_forward_and_gradients_match_reference(name, dtype, tol):
+    ours, theirs = OPS[name]
+    q, k, v, rowptr, projection = make_inputs(SIZES, dtype=dtype, requires_grad=True)
+    grad_o = torch.randn_like(q)
+    out = ours(q, k, v, rowptr, projection)
+    expected = theirs(q, k, v, rowptr, projection)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    got = torch.autograd.grad(out, (q, k, v), grad_o)
+    want = torch.autograd.grad(expected, (q, k, v), grad_o)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_gradcheck(name):
+    ours, _ = OPS[name]
+    q, k, v, rowptr, projection = make_inputs([0, 1, 3, 5], heads=2, dim=3, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v: ours(q, k, v, rowptr, projection), (q, k, v))
+
+
+def test_switch_threshold_boundaries():
+    q, k, v, rowptr, projection = make_inputs([3, 4, 5])
+    for threshold, expect in ((4, ["exact", "exact", "performer"]), (3.5, ["exact", "performer", "performer"]),
+                              (0, ["performer"] * 3), (math.inf, ["exact"] * 3)):
+        out = nk.neighbourhood_attention(q, k, v, rowptr, projection=projection, threshold=threshold)
+        exact = ref.segment_softmax_attention(q, k, v, rowptr)
+        performer = ref.segment_performer_attention(q, k, v, rowptr, projection)
+        for s, kind in enumerate(expect):
+            rows = slice(int(rowptr[s]), int(rowptr[s + 1]))
+            torch.testing.assert_close(out[rows], (exact if kind == "exact" else performer)[rows])
+
+
+def test_csr_and_rowptr_give_the_same_result():
+    edge_index = torch.randint(0, 12, (2, 80), generator=torch.Generator().manual_seed(4))
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, 12)
+    q, k, v, _, projection = make_inputs([80])
+    a = nk.neighbourhood_attention(q, k, v, csr, projection=projection, threshold=7)
+    b = nk.neighbourhood_attention(q, k, v, csr.rowptr.int(), projection=projection, threshold=7)
+    assert torch.equal(a, b)
+
+
+def test_non_contiguous_inputs():
+    q, k, v, rowptr, projection = make_inputs(SIZES)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not qt.is_contiguous()
+    torch.testing.assert_close(nk.neighbourhood_attention(qt, kt, vt, rowptr, projection=projection),
+                               nk.neighbourhood_attention(q, k, v, rowptr, projection=projection))
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_empty_graph(name):
+    ours, _ = OPS[name]
+    q, k, v, rowptr, projection = make_inputs([], requires_grad=True)
+    out = ours(q, k, v, rowptr, projection)
+    assert out.shape == (0, HEADS, DIM)
+    out.sum().backward()
+    assert q.grad.shape == (0, HEADS, DIM)
+    isolated = make_inputs([0, 0, 0])
+    assert ours(*isolated).shape == (0, HEADS, DIM)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_nan_stays_in_its_segment(name):
+    ours, _ = OPS[name]
+    q, k, v, rowptr, projection = make_inputs([4, 30, 5])
+    v = v.clone()
+    v[6, 0, 0] = float("nan")  # inside segment 1
+    out = ours(q, k, v, rowptr, projection)
+    assert torch.isnan(out[4:34]).any()
+    assert not torch.isnan(out[:4]).any() and not torch.isnan(out[34:]).any()
+
+
+def _sample_args(dtype=torch.float64):
+    q, k, v, rowptr, projection = make_inputs(SIZES, dtype=dtype, requires_grad=True)
+    small, large = nk.csr.split_segments(rowptr, THRESHOLD)
+    return [(q, k, v, rowptr, small, large, None, projection, DIM ** -0.5, 1e-4),
+            (q, k, v, rowptr, torch.arange(len(SIZES)), large[:0], None, None, 0.3, 1e-4)]
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["switched", "exact-only"])
+def test_opcheck(case):
+    torch.library.opcheck(torch.ops.nt_kernels.attention_fwd.default, _sample_args()[case])
+
+
+def test_fake_kernel_on_meta_tensors():
+    q, k, v, rowptr, projection = (t.detach().to("meta") for t in make_inputs(SIZES))
+    out = nk.neighbourhood_attention(q, k, v, rowptr, projection=projection, threshold=math.inf)
+    assert out.shape == q.shape and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_torch_compile_fullgraph(name):
+    ours, _ = OPS[name]
+    q, k, v, rowptr, projection = make_inputs(SIZES, dtype=torch.float32, requires_grad=True)
+    csr_like = rowptr
+    if name == "switch":
+        csr_like = csr_for(SIZES)
+        csr_like.segment_split(THRESHOLD)  # plans are built before compiling
+    compiled = torch.compile(lambda q, k, v: ours(q, k, v, csr_like, projection), fullgraph=True,
+                             backend="aot_eager")
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, ours(q, k, v, csr_like, projection))
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def _bad(**overrides):
+    q, k, v, rowptr, projection = make_inputs([2, 3])
+    args = dict(q=q, k=k, v=v, rowptr=rowptr, projection=projection)
+    args.update(overrides)
+    return args
+
+
+BAD_INPUTS = [
+    ("q-rank", _bad(q=torch.zeros(5, 4)), ValueError, r"q must have shape \(E, H, D\)"),
+    ("k-shape", _bad(k=torch.zeros(5, 2, 4, dtype=torch.float64)), ValueError, "k must have q's shape"),
+    ("v-dtype", _bad(v=torch.zeros(5, 2, 5, dtype=torch.float32)), ValueError, "v dtype torch.float32 does not"),
+    ("int-q", _bad(q=torch.zeros(5, 2, 5, dtype=torch.int64)), ValueError, "q must be float16, bfloat16"),
+    ("device", _bad(v=torch.zeros(5, 2, 5, dtype=torch.float64, device="meta")), ValueError, "v is on meta"),
+    ("rowptr-dtype", _bad(rowptr=torch.tensor([0.0, 2.0, 5.0])), ValueError, "rowptr must be int32 or int64"),
+    ("rowptr-2d", _bad(rowptr=torch.tensor([[0, 2, 5]])), ValueError, "rowptr must be 1-D"),
+    ("rowptr-start", _bad(rowptr=torch.tensor([1, 2, 5])), ValueError, r"rowptr\[0\] must be 0"),
+    ("rowptr-order", _bad(rowptr=torch.tensor([0, 4, 3, 5])), ValueError, "rowptr must be non-decreasing"),
+    ("rowptr-end", _bad(rowptr=torch.tensor([0, 2, 4])), ValueError, r"rowptr\[-1\] must equal .* E = 5"),
+    ("projection-width", _bad(projection=torch.zeros(6, 4, dtype=torch.float64)), ValueError,
+     r"projection must have shape \(m, D\)"),
+    ("projection-dtype", _bad(projection=torch.zeros(6, 5)), ValueError, "projection dtype torch.float32"),
+    ("projection-grad", _bad(projection=torch.zeros(6, 5, dtype=torch.float64, requires_grad=True)),
+     ValueError, "projection must not require grad"),
+    ("head-dim", _bad(q=torch.zeros(5, 1, 300), k=torch.zeros(5, 1, 300), v=torch.zeros(5, 1, 300)),
+     ValueError, r"head dim D must be in 1\.\.256"),
+]
+
+
+@pytest.mark.parametrize("args, error, match", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
+def test_bad_inputs_name_the_op_and_argument(args, error, match):
+    with pytest.raises(error, match=f"neighbourhood_attention: {match}"):
+        nk.neighbourhood_attention(args["q"], args["k"], args["v"], args["rowptr"],
+                                   projection=args["projection"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(threshold=-1), "threshold must be a non-negative number"),
+    (dict(threshold="big"), "threshold must be a non-negative number"),
+    (dict(projection=None, threshold=4), "a finite threshold .* needs a projection"),
+], ids=["negative-threshold", "string-threshold", "threshold-without-projection"])
+def test_bad_threshold(kwargs, match):
+    q, k, v, rowptr, projection = make_inputs([2, 3])
+    kwargs.setdefault("projection", projection)
+    with pytest.raises(ValueError, match=match):
+        nk.neighbourhood_attention(q, k, v, rowptr, **kwargs)
+
+
+def test_csr_of_another_graph_is_rejected():
+    q, k, v, _, projection = make_inputs([2, 3])
+    csr = NeighbourhoodCSR.from_edge_index(torch.tensor([[0, 1], [1, 0]]))
+    with pytest.raises(ValueError, match="segment_softmax_attention: csr has E = 2 packed rows but q has 5"):
+        nk.segment_softmax_attention(q, k, v, csr)
