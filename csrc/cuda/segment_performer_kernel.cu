@@ -1,0 +1,173 @@
+// CUDA Performer (FAVOR+) attention over CSR segments: scratch layout and the
+// launch sequence of the forward and backward passes (kernels in
+// segment_performer_features.cuh and segment_performer_rows.cuh; algorithm in
+// docs/kernels_performer.md).
+//
+// Forward:   keys pass (feature sums with running max) -> combine -> colsum -> row pass (o).
+// Backward:  keys pass -> combine -> colsum -> row pass (dq, G', row max)
+//            -> gradient feature sums C -> combine -> row pass over keys (dk, dv).
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/segment_performer_device.cuh"
+#include "cuda/segment_performer_features.cuh"
+#include "cuda/segment_performer_kernel.cuh"
+#include "cuda/segment_performer_rows.cuh"
+
+namespace nt_kernels {
+namespace cuda {
+
+namespace {
+
+using namespace performer;
+
+// Resident blocks per multiprocessor the grid-stride grids are sized for.
+constexpr int64_t BLOCKS_PER_SM = 8;
+// Scratch regions start on 256-byte boundaries (16-byte vector loads of G').
+constexpr size_t SCRATCH_ALIGN = 64;
+
+struct ScratchLayout {
+  size_t part, part_max, part_sum, seg_stab, colsum, gbuf, gx, qstab, total;
+};
+
+size_t round_up(size_t n) { return (n + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN * SCRATCH_ALIGN; }
+
+ScratchLayout scratch_layout(const PerformerProblem& p, bool backward) {
+  const size_t cap = (size_t)p.chunk_capacity, heads = (size_t)p.heads;
+  const size_t m = (size_t)p.features, cols = (size_t)p.dim + 1, k = (size_t)p.num_segments;
+  const size_t rows_heads = (size_t)p.rows * heads;
+  ScratchLayout s{};
+  size_t off = 0;
+  s.part = off;      off += round_up(cap * heads * m * cols);   // A / W / C per chunk and head
+  s.part_max = off;  off += round_up(cap * heads * m);          // running max per chunk, head, feature
+  s.part_sum = off;  off += round_up(cap * heads * cols);       // B = sum of (v, 1) per chunk and head
+  s.seg_stab = off;  off += round_up(k * heads);                // key stabiliser per segment and head
+  s.colsum = off;    off += round_up(k * heads * cols);         // sum_f W_f per segment and head
+  s.gbuf = s.gx = s.qstab = off;
+  if (backward) {
+    s.gbuf = off;    off += round_up(rows_heads * (size_t)p.dim);  // G' per query row, head
+    s.gx = off;      off += round_up(rows_heads);                  // G'[D]
+    s.qstab = off;   off += round_up(rows_heads);                  // query row max
+  }
+  s.total = off;
+  return s;
+}
+
+Geometry make_geometry(const PerformerProblem& p) {
+  Geometry g;
+  g.heads = p.heads;
+  g.dim = p.dim;
+  g.dp = DCH;
+  g.log_dp = 3;
+  while (g.dp < p.dim) {
+    g.dp <<= 1;
+    ++g.log_dp;
+  }
+  g.features = p.features;
+  g.num_segments = p.num_segments;
+  g.rowptr = p.rowptr;
+  g.segments = p.segments;
+  g.chunk_offsets = p.chunk_offsets;
+  g.chunk_capacity = p.chunk_capacity;
+  g.eps = p.eps;
+  const double c = std::pow((double)p.dim, -0.25);
+  g.proj_scale = (float)(1.4426950408889634 * c);
+  g.diag_scale = (float)(1.4426950408889634 * 0.5 * c * c);
+  g.csq = (float)(c * c);
+  return g;
+}
+
+unsigned grid_for(const PerformerProblem& p, int64_t work) {
+  const int64_t cap = std::max<int64_t>(1, (int64_t)std::max(p.sm_count, 1) * BLOCKS_PER_SM);
+  return (unsigned)std::max<int64_t>(1, std::min(work, cap));
+}
+
+// Full 8-wide chunks may use 16-byte vector loads.
+bool vector_ok(const void* ptr, int dim) {
+  return dim % DCH == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// Keys pass + combine + colsum: leaves W (m x (D+1)) at every segment's first
+// chunk slot, its column sums, and the key stabiliser per segment and head.
+template <typename T>
+void launch_key_sums(const PerformerProblem& p, const Geometry& g, const ScratchLayout& s,
+                     const T* k, const T* v, const T* projection, float* scratch,
+                     cudaStream_t stream) {
+  const int64_t items = p.chunk_capacity * p.heads;
+  const size_t fs_smem = sizeof(float) * feature_smem_floats(g.dp);
+  feature_sums_kernel<T, T, true><<<grid_for(p, items), THREADS, fs_smem, stream>>>(
+      g, k, v, nullptr, nullptr, projection, scratch + s.part, scratch + s.part_max,
+      scratch + s.part_sum, vector_ok(k, p.dim), vector_ok(v, p.dim));
+  const int fcb = std::max(1, COMBINE_ELEMS / (p.dim + 1));
+  const int64_t blocks = p.num_segments * p.heads * ((p.features + fcb - 1) / fcb);
+  combine_kernel<true><<<grid_for(p, blocks), THREADS, 0, stream>>>(
+      g, scratch + s.part, scratch + s.part_max, scratch + s.part_sum, scratch + s.seg_stab, fcb);
+  colsum_kernel<<<grid_for(p, p.num_segments * p.heads), THREADS, 0, stream>>>(
+      g, scratch + s.part, scratch + s.colsum);
+}
+
+}  // namespace
+
+size_t performer_scratch_floats(const PerformerProblem& p, bool backward) {
+  return scratch_layout(p, backward).total;
+}
+
+template <typename T>
+cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k, const T* v,
+                              const T* projection, T* o, float* scratch, cudaStream_t stream) {
+  if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
+  const Geometry g = make_geometry(p);
+  const ScratchLayout s = scratch_layout(p, false);
+  launch_key_sums(p, g, s, k, v, projection, scratch, stream);
+  const size_t rs_smem = sizeof(float) * row_smem_floats(g.dp);
+  row_kernel<T, ROW_FORWARD><<<grid_for(p, p.chunk_capacity * p.heads), THREADS, rs_smem, stream>>>(
+      g, q, nullptr, projection, scratch + s.part, scratch + s.colsum, nullptr, o, nullptr,
+      nullptr, nullptr, nullptr, vector_ok(q, p.dim), false);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const T* q, const T* k,
+                               const T* v, const T* projection, T* dq, T* dk, T* dv,
+                               float* scratch, cudaStream_t stream) {
+  if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
+  const Geometry g = make_geometry(p);
+  const ScratchLayout s = scratch_layout(p, true);
+  const int64_t items = p.chunk_capacity * p.heads;
+  const size_t rs_smem = sizeof(float) * row_smem_floats(g.dp);
+  const size_t fs_smem = sizeof(float) * feature_smem_floats(g.dp);
+  // Stage 1: W = sum_k phi(k) (v, 1) per segment, as in the forward.
+  launch_key_sums(p, g, s, k, v, projection, scratch, stream);
+  // Stage 2: per query row, G' = dL/do' and dq; G' and the row max are kept for stage 3.
+  row_kernel<T, ROW_BACKWARD_Q><<<grid_for(p, items), THREADS, rs_smem, stream>>>(
+      g, q, grad_o, projection, scratch + s.part, scratch + s.colsum, nullptr, dq, nullptr,
+      scratch + s.gbuf, scratch + s.gx, scratch + s.qstab, vector_ok(q, p.dim),
+      vector_ok(grad_o, p.dim));
+  // Stage 3: C = sum_q phi(q) G'^T per segment (overwrites W, no longer needed).
+  feature_sums_kernel<T, float, false><<<grid_for(p, items), THREADS, fs_smem, stream>>>(
+      g, q, scratch + s.gbuf, scratch + s.gx, scratch + s.qstab, projection, scratch + s.part,
+      nullptr, nullptr, vector_ok(q, p.dim), vector_ok(scratch + s.gbuf, p.dim));
+  const int fcb = std::max(1, COMBINE_ELEMS / (p.dim + 1));
+  const int64_t blocks = p.num_segments * p.heads * ((p.features + fcb - 1) / fcb);
+  combine_kernel<false><<<grid_for(p, blocks), THREADS, 0, stream>>>(
+      g, scratch + s.part, nullptr, nullptr, nullptr, fcb);
+  // Stage 4: per key row, dk and dv from C and the key stabiliser.
+  row_kernel<T, ROW_BACKWARD_K><<<grid_for(p, items), THREADS, rs_smem, stream>>>(
+      g, k, v, projection, scratch + s.part, nullptr, scratch + s.seg_stab, dk, dv, nullptr,
+      nullptr, nullptr, vector_ok(k, p.dim), vector_ok(v, p.dim));
+  return cudaGetLastError();
+}
+
+#define NT_PERFORMER_INSTANTIATE(T)                                                              \
+  template cudaError_t performer_forward<T>(const PerformerProblem&, const T*, const T*,         \
+                                            const T*, const T*, T*, float*, cudaStream_t);       \
+  template cudaError_t performer_backward<T>(const PerformerProblem&, const T*, const T*,        \
+                                             const T*, const T*, const T*, T*, T*, T*, float*,   \
+                                             cudaStream_t);
+NT_PERFORMER_INSTANTIATE(float)
+NT_PERFORMER_INSTANTIATE(__half)
+NT_PERFORMER_INSTANTIATE(__nv_bfloat16)
+#undef NT_PERFORMER_INSTANTIATE
+
+}  // namespace cuda
+}  // namespace nt_kernels

@@ -1,0 +1,60 @@
+// Torch-free launchers of the CUDA Performer (FAVOR+) kernels over CSR segments.
+//
+// Tensors are raw pointers into packed (E, H, D) rows (row r, head h starts at
+// (r * H + h) * D), rowptr / segments / chunk_offsets are int64 device arrays,
+// and every launcher runs on the given stream.  Algorithm and launch
+// configuration: docs/kernels_performer.md.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace nt_kernels {
+namespace cuda {
+
+// Rows of one segment handled by one block (one work item) in every pass; a
+// segment of n rows is split into ceil(n / PERFORMER_CHUNK_ROWS) chunks.
+constexpr int PERFORMER_CHUNK_ROWS = 256;
+// Largest head dimension the kernels support.
+constexpr int PERFORMER_MAX_DIM = 256;
+
+struct PerformerProblem {
+  int64_t rows = 0;           // E, packed rows of q, k, v
+  int heads = 0;              // H
+  int dim = 0;                // D, 1..PERFORMER_MAX_DIM
+  int features = 0;           // m, rows of the projection, >= 1
+  int64_t num_segments = 0;   // K, entries of `segments`
+  const int64_t* rowptr = nullptr;         // (S + 1,)
+  const int64_t* segments = nullptr;       // (K,) distinct segment ids to process
+  const int64_t* chunk_offsets = nullptr;  // (K + 1,) exclusive scan of ceil(n_i / CHUNK)
+  int64_t chunk_capacity = 0;  // chunks the scratch has room for (>= chunk_offsets[K])
+  float eps = 1e-4f;
+  int sm_count = 0;            // multiprocessors of the device (grid sizing)
+};
+
+// Upper bound on chunk_offsets[K] for distinct segments over E rows.
+inline int64_t performer_chunk_capacity(int64_t rows, int64_t num_segments) {
+  return num_segments + (rows + PERFORMER_CHUNK_ROWS - 1) / PERFORMER_CHUNK_ROWS;
+}
+
+// float32 scratch elements the forward / backward launcher needs.
+size_t performer_scratch_floats(const PerformerProblem& p, bool backward);
+
+// o = Performer attention of every row of the listed segments; other rows of o
+// are left untouched.  `scratch` holds performer_scratch_floats(p, false) floats.
+template <typename T>
+cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k, const T* v,
+                              const T* projection, T* o, float* scratch, cudaStream_t stream);
+
+// dq, dk, dv of the listed segments' rows given grad_o (stabilisers constant,
+// no gradient for the projection); other rows are left untouched.
+template <typename T>
+cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const T* q, const T* k,
+                               const T* v, const T* projection, T* dq, T* dk, T* dv,
+                               float* scratch, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace nt_kernels
