@@ -17,7 +17,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-const c10::OperatorHandle& op_handle(const char* name) {
+c10::OperatorHandle op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
