@@ -62,30 +62,28 @@ def performer_attention(q, k, v, projection, eps):
     return num / den.unsqueeze(-1)
 
 
-def _segments(rowptr):
-    bounds = rowptr.tolist()
-    return zip(bounds[:-1], bounds[1:])
+def _per_segment(q, k, v, rowptr, attend):
+    """Concatenate ``attend(q_s, k_s, v_s)`` over the non-empty segments s.
+
+    Inputs are cut with ``split`` and outputs joined with ``cat`` (not slicing
+    and slice assignment), so the backward costs O(E), not O(segments x E).
+    """
+    sizes = torch.diff(rowptr).tolist()
+    parts = [attend(qs, ks, vs) for qs, ks, vs in zip(q.split(sizes), k.split(sizes), v.split(sizes))
+             if qs.shape[0] > 0]
+    return torch.cat(parts) if parts else torch.zeros_like(v)
 
 
 def segment_softmax_attention(q, k, v, rowptr, *, scale=None):
     """Exact softmax attention inside every CSR segment of packed (E, H, D) tensors."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.zeros_like(v)
-    for start, end in _segments(rowptr):
-        if end > start:
-            out[start:end] = softmax_attention(q[start:end], k[start:end], v[start:end], scale)
-    return out
+    return _per_segment(q, k, v, rowptr, lambda qs, ks, vs: softmax_attention(qs, ks, vs, scale))
 
 
 def segment_performer_attention(q, k, v, rowptr, projection, *, eps=1e-4):
     """Performer (FAVOR+) attention inside every CSR segment of packed (E, H, D) tensors."""
-    out = torch.zeros_like(v)
-    for start, end in _segments(rowptr):
-        if end > start:
-            out[start:end] = performer_attention(
-                q[start:end], k[start:end], v[start:end], projection, eps
-            )
-    return out
+    return _per_segment(
+        q, k, v, rowptr, lambda qs, ks, vs: performer_attention(qs, ks, vs, projection, eps))
 
 
 def neighbourhood_attention(
@@ -101,14 +99,10 @@ def neighbourhood_attention(
         threshold = math.inf
     elif threshold is None:
         threshold = default_threshold(projection.shape[0], q.shape[-1])
-    out = torch.zeros_like(v)
-    for start, end in _segments(rowptr):
-        n = end - start
-        if n == 0:
-            continue
-        sl = slice(start, end)
-        if n <= threshold:
-            out[sl] = softmax_attention(q[sl], k[sl], v[sl], scale)
-        else:
-            out[sl] = performer_attention(q[sl], k[sl], v[sl], projection, eps)
-    return out
+
+    def attend(qs, ks, vs):
+        if qs.shape[0] <= threshold:
+            return softmax_attention(qs, ks, vs, scale)
+        return performer_attention(qs, ks, vs, projection, eps)
+
+    return _per_segment(q, k, v, rowptr, attend)
