@@ -11,9 +11,14 @@ import math
 
 import torch
 
-from nt_kernels import _checks
+from nt_kernels import HAS_TRITON, _checks
 from nt_kernels.csr import NeighbourhoodCSR, split_segments
 from nt_kernels.performer import switch_threshold
+
+if HAS_TRITON:
+    from nt_kernels.triton import build_plan
+else:  # the CPU kernels need no plan
+    build_plan = None
 
 __all__ = ["neighbourhood_attention", "segment_performer_attention", "segment_softmax_attention"]
 
@@ -74,6 +79,14 @@ def _rowptr_of(op: str, csr_or_rowptr, q: torch.Tensor):
     return _checks.check_rowptr(op, csr_or_rowptr, q), None
 
 
+def _exact_plan(csr: NeighbourhoodCSR | None, threshold: float, exact: torch.Tensor):
+    """The exact kernel's work list, cached on the CSR (None without one: the kernel builds it)."""
+    if csr is None or build_plan is None:
+        return None
+    return csr.plan(("exact-plan", float(threshold)),
+                    lambda: build_plan(csr.rowptr, exact, num_rows=csr.num_edges))
+
+
 def _default_scale(q: torch.Tensor, scale):
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
@@ -94,9 +107,11 @@ def segment_softmax_attention(q, k, v, rowptr, *, scale=None) -> torch.Tensor:
     """
     op = "segment_softmax_attention"
     q, k, v = _checks.check_qkv(op, q, k, v)
-    rowptr, _ = _rowptr_of(op, rowptr, q)
-    o, _ = _OPS.attention_fwd(q, k, v, rowptr, _all_segments(rowptr), _no_segments(rowptr), None,
-                              None, _default_scale(q, scale), DEFAULT_EPS)
+    rowptr, csr = _rowptr_of(op, rowptr, q)
+    exact = _all_segments(rowptr) if csr is None else csr.segment_split(math.inf)[0]
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, _no_segments(rowptr),
+                              _exact_plan(csr, math.inf, exact), None, _default_scale(q, scale),
+                              DEFAULT_EPS)
     return o
 
 
@@ -144,6 +159,6 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
         exact, performer = csr.segment_split(threshold)
     else:
         exact, performer = split_segments(rowptr, threshold)
-    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, None, projection,
-                              _default_scale(q, scale), float(eps))
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, _exact_plan(csr, threshold, exact),
+                              projection, _default_scale(q, scale), float(eps))
     return o

@@ -1,0 +1,188 @@
+"""Backward Triton kernels of exact softmax attention over CSR segments.
+
+With P = exp(scale * Q K^T - lse) recomputed from the saved log-sum-exp and
+delta_i = sum_j P_ij dP_ij = sum_d dO_i * O_i:
+
+  dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),
+  dQ = scale * dS K,   dK = scale * dS^T Q.
+
+* ``_bwd_packed_kernel``: a packed tile holds whole segments, so one program
+  computes all three gradients of its rows and writes them (no atomics,
+  deterministic).
+* Segments longer than a tile take two passes (FA2 style), each writing its
+  own rows once, so they are deterministic too:
+  ``_bwd_dq_kernel`` per query block (loops over key blocks; also stores delta
+  for the second pass) and then ``_bwd_dkdv_kernel`` per key block (loops over
+  query blocks).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS
+from nt_kernels.triton.softmax_fwd import (
+    H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, block_d, configs, dot_precision,
+    cast, finite_or_zero, load_rows, mm, nonfinite_rows, num_programs, packed_rows, segment_any,
+    bf16_emulation,
+)
+
+
+@triton.jit
+def store_rows(ptr, offs, valid, d, D, x, BF16_EMU: tl.constexpr):
+    """Store (rows x BLOCK_D), skipping padding columns and invalid rows."""
+    tl.store(ptr + offs[:, None] + d[None, :], cast(x, ptr.dtype.element_ty, BF16_EMU),
+             mask=valid[:, None] & (d[None, :] < D))
+
+
+@triton.autotune(configs=configs(inner_name=None), key=["D", "TILE"])
+@triton.jit
+def _bwd_packed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
+                       plan, H, D, scale, qk_scale,
+                       CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    n_work = tl.load(plan + H_TILES + CLASS) * H
+    tab = tl.load(plan + H_TILE_OFF + CLASS)
+    d = tl.arange(0, BLOCK_D)
+    for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+        # Step 1: load the tile's rows (queries and keys are the same rows).
+        t = w // H
+        h = w % H
+        row, seg, valid = packed_rows(plan, t, tab, TILE)
+        offs = row * (H * D) + h * D
+        q = load_rows(q_ptr, offs, valid, d, D)
+        k = load_rows(k_ptr, offs, valid, d, D)
+        v = load_rows(v_ptr, offs, valid, d, D)
+        do = load_rows(do_ptr, offs, valid, d, D)
+        lse = tl.load(lse_ptr + row * H + h, mask=valid, other=0.0) * LOG2E_C
+        same = seg[:, None] == seg[None, :]
+        # Step 2: recompute P from lse, zero outside the block diagonal.
+        s = mm(q, tl.trans(k), DOT_PREC, BF16_EMU) * qk_scale
+        p = tl.where(same, tl.exp2(s - lse[:, None]), 0.0)
+        # Step 3: dV = P^T dO and dS = P * (dP - delta), dP = dO V^T.  The whole
+        # segment is in the tile, so delta = rowsum(P * dP) exactly (no O read).
+        # Operands contracted across segments are made finite so that a zero
+        # weight never multiplies another segment's NaN/inf.
+        dv = mm(cast(tl.trans(p), do.dtype, BF16_EMU), finite_or_zero(do), DOT_PREC, BF16_EMU)
+        dp = mm(do, tl.trans(v), DOT_PREC, BF16_EMU)
+        pdp = tl.where(same, p * dp, 0.0)
+        ds = pdp - p * tl.sum(pdp, axis=1)[:, None]
+        # Step 4: dQ = scale dS K, dK = scale dS^T Q.
+        dq = mm(cast(ds, k.dtype, BF16_EMU), finite_or_zero(k), DOT_PREC, BF16_EMU) * scale
+        ds_t = cast(tl.trans(ds), q.dtype, BF16_EMU)
+        dk = mm(ds_t, finite_or_zero(q), DOT_PREC, BF16_EMU) * scale
+        # Step 5: a NaN/inf input row poisons the gradients of its own segment only.
+        bad = nonfinite_rows(q) | nonfinite_rows(k) | nonfinite_rows(v) | nonfinite_rows(do)
+        bad = segment_any(bad, same)[:, None]
+        store_rows(dq_ptr, offs, valid, d, D, tl.where(bad, float("nan"), dq), BF16_EMU)
+        store_rows(dk_ptr, offs, valid, d, D, tl.where(bad, float("nan"), dk), BF16_EMU)
+        store_rows(dv_ptr, offs, valid, d, D, tl.where(bad, float("nan"), dv), BF16_EMU)
+
+
+@triton.jit
+def multi_block(plan, tab, w, H, BLOCK: tl.constexpr):
+    """Segment start, size and block rows (local indices) of multi-tile item w // H."""
+    item = tab + 3 * (w // H)
+    start = tl.load(plan + item)
+    n = tl.load(plan + item + 1).to(tl.int32)
+    rows = tl.load(plan + item + 2).to(tl.int32) * BLOCK + tl.arange(0, BLOCK)
+    return start, n, rows
+
+
+@triton.autotune(configs=configs(), key=["D"])
+@triton.jit
+def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                   plan, H, D, scale, qk_scale,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    n_work = tl.load(plan + H_MULTI) * H
+    tab = tl.load(plan + H_MULTI_OFF)
+    d = tl.arange(0, BLOCK_D)
+    for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+        # Step 1: the query block, its lse and delta (stored for the dK/dV pass).
+        h = w % H
+        start, n, qi = multi_block(plan, tab, w, H, BLOCK_M)
+        q_valid = qi < n
+        q_offs = (start + qi) * (H * D) + h * D
+        q = load_rows(q_ptr, q_offs, q_valid, d, D)
+        do = load_rows(do_ptr, q_offs, q_valid, d, D)
+        o = load_rows(o_ptr, q_offs, q_valid, d, D)
+        lse = tl.load(lse_ptr + (start + qi) * H + h, mask=q_valid, other=0.0) * LOG2E_C
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+        tl.store(delta_ptr + (start + qi) * H + h, delta, mask=q_valid)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Step 2: dQ += dS K over the segment's key blocks.
+        for j0 in range(0, n, BLOCK_N):
+            kj = j0 + tl.arange(0, BLOCK_N)
+            k_valid = kj < n
+            kv_offs = (start + kj) * (H * D) + h * D
+            k = load_rows(k_ptr, kv_offs, k_valid, d, D)
+            v = load_rows(v_ptr, kv_offs, k_valid, d, D)
+            s = mm(q, tl.trans(k), DOT_PREC, BF16_EMU) * qk_scale
+            p = tl.where(k_valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+            dp = mm(do, tl.trans(v), DOT_PREC, BF16_EMU)
+            ds = p * (dp - delta[:, None])
+            dq += mm(cast(ds, k.dtype, BF16_EMU), k, DOT_PREC, BF16_EMU)
+        store_rows(dq_ptr, q_offs, q_valid, d, D, dq * scale, BF16_EMU)
+
+
+@triton.autotune(configs=configs(inner_name="BLOCK_M"), key=["D"])
+@triton.jit
+def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                     plan, H, D, scale, qk_scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    n_work = tl.load(plan + H_MULTI) * H
+    tab = tl.load(plan + H_MULTI_OFF)
+    d = tl.arange(0, BLOCK_D)
+    for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+        # Step 1: the key block of this work item.
+        h = w % H
+        start, n, kj = multi_block(plan, tab, w, H, BLOCK_N)
+        k_valid = kj < n
+        kv_offs = (start + kj) * (H * D) + h * D
+        k = load_rows(k_ptr, kv_offs, k_valid, d, D)
+        v = load_rows(v_ptr, kv_offs, k_valid, d, D)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        # Step 2: accumulate over the segment's query blocks, in transposed
+        # form (keys along rows): P^T, dP^T = V dO^T, dS^T = P^T * (dP^T - delta).
+        for i0 in range(0, n, BLOCK_M):
+            qi = i0 + tl.arange(0, BLOCK_M)
+            q_valid = qi < n
+            q_offs = (start + qi) * (H * D) + h * D
+            q = load_rows(q_ptr, q_offs, q_valid, d, D)
+            do = load_rows(do_ptr, q_offs, q_valid, d, D)
+            lse = tl.load(lse_ptr + (start + qi) * H + h, mask=q_valid, other=0.0) * LOG2E_C
+            delta = tl.load(delta_ptr + (start + qi) * H + h, mask=q_valid, other=0.0)
+            st = mm(k, tl.trans(q), DOT_PREC, BF16_EMU) * qk_scale
+            pt = tl.where(q_valid[None, :], tl.exp2(st - lse[None, :]), 0.0)
+            dv += mm(cast(pt, do.dtype, BF16_EMU), do, DOT_PREC, BF16_EMU)
+            dpt = mm(v, tl.trans(do), DOT_PREC, BF16_EMU)
+            dst = pt * (dpt - delta[None, :])
+            dk += mm(cast(dst, q.dtype, BF16_EMU), q, DOT_PREC, BF16_EMU)
+        store_rows(dk_ptr, kv_offs, k_valid, d, D, dk * scale, BF16_EMU)
+        store_rows(dv_ptr, kv_offs, k_valid, d, D, dv, BF16_EMU)
+
+
+def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False,
+                wrap=lambda kernel: kernel):
+    """Write dq, dk, dv (E, H, D) for the rows named in ``plan``.
+
+    ``wrap`` is ``torch.library.wrap_triton`` when called from a triton_op.
+    """
+    E, H, D = q.shape
+    grid = (num_programs(q.device),)
+    scale = float(scale)
+    meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
+                BF16_EMU=bf16_emulation(q.dtype))
+    for c, tile in enumerate(TILE_HEIGHTS):
+        wrap(_bwd_packed_kernel)[grid](q, k, v, grad_o, lse, dq, dk, dv, plan, H, D,
+                                       scale, scale * LOG2E, CLASS=c, TILE=tile, **meta)
+    # Multi-tile segments: dQ pass (writes delta), then the dK/dV pass.
+    delta = torch.empty((E, H), dtype=torch.float32, device=q.device)
+    wrap(_bwd_dq_kernel)[grid](q, k, v, o, grad_o, lse, delta, dq, plan, H, D, scale,
+                               scale * LOG2E, BLOCK_M=PLAN_BLOCK, **meta)
+    wrap(_bwd_dkdv_kernel)[grid](q, k, v, grad_o, lse, delta, dk, dv, plan, H, D, scale,
+                                 scale * LOG2E, BLOCK_N=PLAN_BLOCK, **meta)

@@ -1,0 +1,284 @@
+"""Triton exact-attention kernels (nt_kernels.triton) vs the loop reference.
+
+Without a GPU the kernels run on CPU tensors under TRITON_INTERPRET=1 (set in
+conftest.py), so every case is tiny; with a GPU the same cases run compiled on
+CUDA, plus the CUDA-only checks at the end (opcheck, torch.compile, bigger
+graphs, determinism).
+"""
+import math
+
+import pytest
+import torch
+
+import nt_kernels.triton as ntt
+from nt_kernels.triton.schedule import PLAN_BLOCK, build_plan, describe_plan
+from nt_reference.ops import segment_softmax_attention as reference
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# Every scheduling branch: empty and one-row segments, packed tiles holding
+# several segments (sizes 1-5, 9, 12), single-segment tiles (20, 64) and
+# multi-tile segments (65, 130 rows = 3 blocks with a 2-row tail).
+MIXED_SIZES = [0, 1, 3, 3, 3, 5, 1, 0, 9, 12, 2, 20, 64, 65, 4, 130, 0]
+SMALL_SIZES = [2, 1, 5, 0, 3, 7, 9, 1, 16]
+
+
+def make_rowptr(sizes, device=DEVICE):
+    sizes = torch.tensor(sizes, dtype=torch.int64)
+    return torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).to(device)
+
+
+def make_qkv(num_rows, heads, dim, dtype, seed=0, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_rows, heads, dim, generator=gen).to(DEVICE, dtype)
+            .requires_grad_(requires_grad) for _ in range(3)]
+
+
+def reference_grads(q, k, v, rowptr, grad_o, dtype, scale=None):
+    """Loop reference output and (dq, dk, dv), computed in ``dtype``."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    o = reference(*leaves, rowptr, scale=scale)
+    o.backward(grad_o.to(dtype))
+    return [o.detach()] + [x.grad for x in leaves]
+
+
+def assert_matches_reference(ours, q, k, v, rowptr, grad_o, scale=None):
+    """float32: close to the float64 reference.  Half types: error at most
+    2x that of the same loop reference run in the half type, plus a floor."""
+    exact = reference_grads(q, k, v, rowptr, grad_o, torch.float64, scale)
+    names = ("o", "dq", "dk", "dv")
+    if q.dtype == torch.float32:
+        for name, a, b in zip(names, ours, exact):
+            torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=2e-5, msg=name)
+        return
+    same_dtype = reference_grads(q, k, v, rowptr, grad_o, q.dtype, scale)
+    floor = torch.finfo(q.dtype).eps
+    for name, a, b, c in zip(names, ours, exact, same_dtype):
+        err = (a.double() - b).abs().max().item()
+        torch_err = (c.double() - b).abs().max().item()
+        assert err <= 2 * torch_err + floor, f"{name}: {err} vs torch {torch_err}"
+
+
+def run_public(q, k, v, rowptr, grad_o, scale=None):
+    q, k, v = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = ntt.segment_softmax(q, k, v, rowptr, scale)
+    o.backward(grad_o)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+# ---------------------------------------------------------------- plan builder
+
+def check_plan(sizes, segments):
+    rowptr = make_rowptr(sizes)
+    seg_t = torch.tensor(segments, dtype=torch.int64, device=DEVICE)
+    plan = build_plan(rowptr, seg_t, int(rowptr[-1]))
+    desc = describe_plan(plan)
+    starts = rowptr.tolist()
+    seg_of_start = {starts[s]: s for s in segments if sizes[s] > 0}
+    covered = []
+    for height, n, tile_starts in desc["packed"]:
+        assert 1 <= n <= PLAN_BLOCK and len(tile_starts) * n <= height
+        for start in tile_starts:
+            seg = seg_of_start[start]
+            assert sizes[seg] == n, "a packed tile holds a whole segment"
+            covered += range(start, start + n)
+    blocks = {}
+    for start, n, block in desc["multi"]:
+        seg = seg_of_start[start]
+        assert sizes[seg] == n > PLAN_BLOCK, "only segments larger than a tile are split"
+        blocks.setdefault(seg, []).append(block)
+        first = start + block * PLAN_BLOCK
+        covered += range(first, min(start + n, first + PLAN_BLOCK))
+    for seg, got in blocks.items():
+        assert sorted(got) == list(range(math.ceil(sizes[seg] / PLAN_BLOCK)))
+    expected = [r for s in segments for r in range(starts[s], starts[s + 1])]
+    assert sorted(covered) == sorted(expected), "every row of the given segments exactly once"
+    return desc
+
+
+def test_plan_covers_given_segments_once():
+    desc = check_plan(MIXED_SIZES, list(range(len(MIXED_SIZES))))
+    heights = {h for h, _, _ in desc["packed"]}
+    assert heights == {16, 32, 64}
+    assert any(len(starts) > 1 for _, _, starts in desc["packed"]), "packs several segments"
+
+
+def test_plan_subset_and_order():
+    check_plan(MIXED_SIZES, [15, 2, 0, 7, 12, 3])
+    check_plan(MIXED_SIZES, [13])
+
+
+def test_plan_random_sizes():
+    gen = torch.Generator().manual_seed(3)
+    sizes = torch.randint(0, 80, (300,), generator=gen).tolist()
+    subset = torch.randperm(300, generator=gen)[:170].tolist()
+    check_plan(sizes, subset)
+    desc = check_plan(sizes, list(range(300)))
+    assert max(len(s) for _, _, s in desc["packed"]) >= 5
+
+
+def test_plan_empty():
+    desc = check_plan([0, 0, 3], [])
+    assert desc == {"packed": [], "multi": []}
+    plan = build_plan(make_rowptr([0, 0]), torch.arange(2, device=DEVICE))
+    assert describe_plan(plan) == {"packed": [], "multi": []}
+
+
+def test_plan_with_and_without_num_rows_agree():
+    rowptr = make_rowptr(MIXED_SIZES)
+    segs = torch.arange(len(MIXED_SIZES), device=DEVICE)
+    assert torch.equal(build_plan(rowptr, segs), build_plan(rowptr, segs, int(rowptr[-1])))
+
+
+# ------------------------------------------------------- forward and gradients
+
+@pytest.mark.parametrize("dim", [1, 9, 16, 23, 53, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_segment_softmax_matches_reference(dim, dtype):
+    rowptr = make_rowptr(MIXED_SIZES)
+    q, k, v = make_qkv(int(rowptr[-1]), 2, dim, dtype, seed=dim)
+    grad_o = make_qkv(int(rowptr[-1]), 2, dim, dtype, seed=100 + dim)[0]
+    ours = run_public(q, k, v, rowptr, grad_o)
+    assert_matches_reference(ours, q, k, v, rowptr, grad_o)
+
+
+def test_custom_scale_int32_rowptr_noncontiguous():
+    rowptr = make_rowptr(SMALL_SIZES)
+    num_rows = int(rowptr[-1])
+    q, k, v = make_qkv(num_rows, 3, 8, torch.float32, seed=7)
+    q = torch.randn(3, num_rows, 8, device=DEVICE).transpose(0, 1)  # non-contiguous
+    grad_o = make_qkv(num_rows, 3, 8, torch.float32, seed=8)[0]
+    ours = run_public(q, k, v, rowptr.to(torch.int32), grad_o, scale=0.7)
+    assert_matches_reference(ours, q, k, v, rowptr, grad_o, scale=0.7)
+
+
+def test_empty_graph():
+    q, k, v = make_qkv(0, 2, 5, torch.float32, requires_grad=True)
+    o = ntt.segment_softmax(q, k, v, make_rowptr([0, 0]))
+    o.sum().backward()
+    assert o.shape == (0, 2, 5) and q.grad.shape == (0, 2, 5)
+
+
+def test_nan_stays_in_its_segment():
+    sizes = [3, 4, 2, 70]
+    rowptr = make_rowptr(sizes)
+    q, k, v = make_qkv(int(rowptr[-1]), 1, 8, torch.float32, seed=5)
+    v[3, 0, 2] = float("nan")  # row 0 of segment 1 (packed with segments 0 and 2)
+    grad_o = torch.ones_like(q)
+    o, dq, dk, dv = run_public(q, k, v, rowptr, grad_o)
+    bad = slice(3, 7)
+    for name, t in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isnan(t[bad]).any(), name
+        assert torch.isfinite(torch.cat([t[:3], t[7:]])).all(), name
+    exact = reference_grads(q, k, v, rowptr, grad_o, torch.float64)
+    keep = torch.cat([torch.arange(3), torch.arange(7, q.shape[0])]).to(DEVICE)
+    for a, b in zip((o, dq, dk, dv), exact):
+        torch.testing.assert_close(a[keep].double(), b[keep], atol=2e-5, rtol=2e-5)
+
+
+# -------------------------------------------- internal ops (segment subsets)
+
+def into_ops():
+    if HAS_CUDA:
+        return torch.ops.nt_kernels.softmax_fwd_into, torch.ops.nt_kernels.softmax_bwd_into
+    return ntt.softmax_fwd_into, ntt.softmax_bwd_into
+
+
+@pytest.mark.parametrize("prebuilt", [False, True])
+def test_into_ops_touch_only_given_segments(prebuilt):
+    sizes = MIXED_SIZES
+    rowptr = make_rowptr(sizes)
+    num_rows, scale = int(rowptr[-1]), 0.4
+    segments = torch.tensor([15, 3, 0, 8, 11, 6], device=DEVICE)  # unsorted, incl. empty
+    plan = build_plan(rowptr, segments, num_rows) if prebuilt else None
+    q, k, v = make_qkv(num_rows, 2, 11, torch.float32, seed=11)
+    grad_o = make_qkv(num_rows, 2, 11, torch.float32, seed=12)[0]
+    fwd_into, bwd_into = into_ops()
+    o, dq, dk, dv = (torch.zeros_like(q) for _ in range(4))
+    lse = torch.zeros(num_rows, 2, device=DEVICE)
+    fwd_into(o, lse, q, k, v, rowptr, segments, plan, scale)
+    bwd_into(dq, dk, dv, grad_o, q, k, v, o, lse, rowptr, segments, plan, scale)
+
+    starts = rowptr.tolist()
+    given = torch.zeros(num_rows, dtype=torch.bool)
+    for s in segments.tolist():
+        given[starts[s]:starts[s + 1]] = True
+    given = given.to(DEVICE)
+    exact = reference_grads(q, k, v, rowptr, grad_o, torch.float64, scale)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), exact):
+        torch.testing.assert_close(a[given].double(), b[given], atol=2e-5, rtol=2e-5, msg=name)
+        assert (a[~given] == 0).all(), f"{name}: rows of other segments must stay zero"
+    assert (lse[~given] == 0).all()
+    scores = [torch.logsumexp(scale * torch.einsum("hd,jhd->hj", q[i].double(),
+                                                   k[starts[s]:starts[s + 1]].double()), -1)
+              for s in sorted(segments.tolist()) for i in range(starts[s], starts[s + 1])]
+    torch.testing.assert_close(lse[given].double(), torch.stack(scores), atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------- CUDA only
+
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def random_graph(num_seg, max_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(0, max_size + 1, (num_seg,), generator=gen)
+    sizes[:: max(num_seg // 4, 1)] = 300  # a few long segments
+    return sizes.tolist()
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dim", [32, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_larger_graphs(dim, dtype):
+    rowptr = make_rowptr(random_graph(200, 40, dim))
+    q, k, v = make_qkv(int(rowptr[-1]), 4, dim, dtype, seed=dim)
+    grad_o = make_qkv(int(rowptr[-1]), 4, dim, dtype, seed=dim + 1)[0]
+    assert_matches_reference(run_public(q, k, v, rowptr, grad_o), q, k, v, rowptr, grad_o)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_backward_is_deterministic():
+    rowptr = make_rowptr(random_graph(300, 60, 1))
+    q, k, v = make_qkv(int(rowptr[-1]), 4, 32, torch.float32, seed=2)
+    grad_o = make_qkv(int(rowptr[-1]), 4, 32, torch.float32, seed=3)[0]
+    first = run_public(q, k, v, rowptr, grad_o)
+    second = run_public(q, k, v, rowptr, grad_o)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_tf32_flag_stays_close():
+    rowptr = make_rowptr(random_graph(100, 40, 4))
+    q, k, v = make_qkv(int(rowptr[-1]), 2, 32, torch.float32, seed=4)
+    o = ntt.segment_softmax(q, k, v, rowptr, allow_tf32=True)
+    torch.testing.assert_close(o.double(), reference(q.double(), k.double(), v.double(), rowptr),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_opcheck():
+    rowptr = make_rowptr(MIXED_SIZES)
+    q, k, v = make_qkv(int(rowptr[-1]), 2, 16, torch.float32, seed=9, requires_grad=True)
+    torch.library.opcheck(torch.ops.nt_kernels.triton_segment_softmax.default,
+                          (q, k, v, rowptr, 0.25, False))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_compile_fullgraph():
+    rowptr = make_rowptr(MIXED_SIZES)
+    q, k, v = make_qkv(int(rowptr[-1]), 2, 16, torch.float32, seed=10)
+    grad_o = make_qkv(int(rowptr[-1]), 2, 16, torch.float32, seed=11)[0]
+    compiled = torch.compile(ntt.segment_softmax, fullgraph=True)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = compiled(*leaves, rowptr)
+    o.backward(grad_o)
+    ours = [o.detach()] + [x.grad for x in leaves]
+    assert_matches_reference(ours, q, k, v, rowptr, grad_o)
