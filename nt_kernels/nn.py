@@ -1,0 +1,343 @@
+"""NT layer and model in PyTorch Geometric style (DESIGN §6): :class:`NTConv`, :class:`DirNT`, :class:`NT`.
+
+Graphs are passed as ``edge_index`` (2, E) (row 0 = centre j, row 1 =
+receiver k) or as a prebuilt :class:`NeighbourhoodCSR`.  Everything derived
+from a graph (the centre CSR, the receiver CSR used for aggregation, the
+reversed CSR of DirNT, the exact/Performer segment split) is built once:
+
+* for a ``NeighbourhoodCSR``, in that object's own plan cache (``csr.plan``);
+* for an ``edge_index``, each module keeps a one-entry cache on itself holding
+  the last graph it saw, reused when the next ``edge_index`` has equal
+  *content* (``torch.equal``, one host sync per call).  Nothing is keyed by
+  tensor identity and nothing lives in module-level globals.
+
+``torch.compile(fullgraph=True)`` needs a prebuilt CSR whose plans are cached:
+``csr = model.prepare(edge_index, num_nodes)`` builds all of them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nt_reference.ops as reference_ops
+from nt_kernels.aggregate import AGGREGATORS, GATE_GROUPS, GATED_AGGREGATORS, aggregate, receiver_csr, reversed_csr
+from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.ops import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
+from nt_kernels.performer import default_nb_features, orthogonal_random_features, switch_threshold
+
+__all__ = ["ATTENTIONS", "BACKENDS", "DirNT", "NT", "NTConv"]
+
+ATTENTIONS = ("switch", "softmax", "performer")
+BACKENDS = ("fused", "reference")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_dropout(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}: dropout must be a number in [0, 1), got {value!r}")
+
+
+class _GraphCache:
+    """One-entry, content-keyed cache of the CSR built from an ``edge_index``."""
+
+    def __init__(self):
+        self.edge_index = None
+        self.num_nodes = None
+        self.csr = None
+
+    def __call__(self, owner: str, graph, num_nodes: int) -> NeighbourhoodCSR:
+        if isinstance(graph, NeighbourhoodCSR):
+            return graph
+        if not isinstance(graph, torch.Tensor):
+            raise ValueError(f"{owner}: the graph must be an edge_index tensor (2, E) or a NeighbourhoodCSR, "
+                             f"got {type(graph).__name__}")
+        cached = self.edge_index
+        if (cached is not None and self.num_nodes == num_nodes and cached.shape == graph.shape
+                and cached.device == graph.device and torch.equal(cached, graph.to(cached.dtype))):
+            return self.csr
+        csr = NeighbourhoodCSR.from_edge_index(graph, num_nodes)
+        self.edge_index, self.num_nodes, self.csr = graph.detach().long().clone(), num_nodes, csr
+        return csr
+
+
+def _check_x(owner: str, x, in_channels: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != in_channels:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{owner}: x must have shape (N, in_channels={in_channels}), got {shape}")
+
+
+def _check_csr_fits(owner: str, csr: NeighbourhoodCSR, num_nodes: int) -> None:
+    if csr.num_nodes > num_nodes:
+        raise ValueError(f"{owner}: the graph has {csr.num_nodes} centre nodes but x has only {num_nodes} rows")
+
+
+class NTConv(nn.Module):
+    r"""Neighbourhood Transformer layer (paper §3-4, DESIGN §6).
+
+    For every edge (j, k), the message :math:`Z_{jk} = \mathrm{GELU}(x_j W_j + x_k W_k + e_{jk} W_e + b)`
+    is built without materialising the concatenation; self-attention runs
+    among the messages of each centre's neighbourhood with ``heads`` heads of
+    width ``D = out_channels // heads`` (``out_channels`` must be divisible by
+    ``heads``); :math:`M = \mathrm{GELU}(W_o\,\mathrm{attention}(q, k, v) + b_o)`
+    is aggregated at the receivers.  For ``weighted_mean`` / ``gated_sum``,
+    ``W_o`` has ``2 * out_channels`` outputs, read per head as [gate | value].
+
+    Args:
+        in_channels, out_channels: node feature widths.
+        heads: attention heads H.
+        edge_dim: width of ``edge_attr``; ``None`` means the layer takes no edge features.
+        aggr: ``sum``, ``mean``, ``max``, ``weighted_mean`` or ``gated_sum``.
+        dropout: dropout on the combined messages Z (before q, k, v).
+        attention: ``switch`` (exact up to the threshold, Performer above),
+            ``softmax`` (exact everywhere) or ``performer``.
+        nb_features: Performer features m; default ``int(D ln D)``.
+        threshold: switch threshold; default the paper's n* for (m, D).
+        gate_group: normalise the weighted_mean gate over messages arriving at
+            the same ``receiver`` (paper) or sent by the same ``centre`` (released code).
+        backend: ``fused`` (nt_kernels ops) or ``reference`` (nt_reference loops);
+            settable later as ``conv.backend``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, heads: int = 1, edge_dim: int | None = None,
+                 aggr: str = "weighted_mean", dropout: float = 0.0, attention: str = "switch",
+                 nb_features: int | None = None, threshold: float | None = None, gate_group: str = "receiver",
+                 backend: str = "fused"):
+        super().__init__()
+        _check_int("NTConv: in_channels", in_channels, 1)
+        _check_int("NTConv: out_channels", out_channels, 1)
+        _check_int("NTConv: heads", heads, 1)
+        if out_channels % heads:
+            raise ValueError(f"NTConv: out_channels ({out_channels}) must be divisible by heads ({heads})")
+        if edge_dim is not None:
+            _check_int("NTConv: edge_dim", edge_dim, 1)
+        _check_choice("NTConv: aggr", aggr, AGGREGATORS)
+        _check_dropout("NTConv", dropout)
+        _check_choice("NTConv: attention", attention, ATTENTIONS)
+        if nb_features is not None:
+            _check_int("NTConv: nb_features", nb_features, 1)
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or math.isnan(threshold) or threshold < 0):
+            raise ValueError(f"NTConv: threshold must be a non-negative number or None, got {threshold!r}")
+        if threshold is not None and attention != "switch":
+            raise ValueError(f"NTConv: threshold only applies to attention='switch', got attention={attention!r}")
+        _check_choice("NTConv: gate_group", gate_group, GATE_GROUPS)
+        self.in_channels, self.out_channels, self.heads = in_channels, out_channels, heads
+        self.head_dim = out_channels // heads
+        self.edge_dim, self.aggr, self.dropout, self.attention = edge_dim, aggr, float(dropout), attention
+        self.gate_group = gate_group
+        self.backend = backend
+        self.lin_centre = nn.Linear(in_channels, out_channels)
+        self.lin_receiver = nn.Linear(in_channels, out_channels, bias=False)
+        self.lin_edge = nn.Linear(edge_dim, out_channels, bias=False) if edge_dim is not None else None
+        self.lin_qkv = nn.Linear(out_channels, 3 * out_channels)
+        out_width = 2 * out_channels if aggr in GATED_AGGREGATORS else out_channels
+        self.lin_out = nn.Linear(out_channels, out_width)
+        if attention == "softmax":
+            self.nb_features = None
+            self.register_buffer("projection", None)
+            self.threshold = math.inf
+        else:
+            self.nb_features = nb_features or default_nb_features(self.head_dim)
+            self.register_buffer("projection", orthogonal_random_features(self.nb_features, self.head_dim))
+            default = switch_threshold(self.nb_features, self.head_dim)
+            self.threshold = 0.0 if attention == "performer" else float(default if threshold is None else threshold)
+        self._graphs = _GraphCache()
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        _check_choice("NTConv: backend", value, BACKENDS)
+        self._backend = value
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every weight and redraw the Performer projection."""
+        for lin in (self.lin_centre, self.lin_receiver, self.lin_edge, self.lin_qkv, self.lin_out):
+            if lin is not None:
+                lin.reset_parameters()
+        if self.projection is not None:
+            fresh = orthogonal_random_features(self.nb_features, self.head_dim)
+            self.projection.copy_(fresh.to(self.projection))
+
+    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``graph`` with every plan this layer needs built (call before ``torch.compile``)."""
+        csr = self._graphs("NTConv.prepare", graph, num_nodes)
+        csr.segment_split(self.threshold)
+        _ = receiver_csr(csr, num_nodes).centre
+        return csr
+
+    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        _check_x("NTConv", x, self.in_channels)
+        csr = self._graphs("NTConv", graph, x.shape[0])
+        _check_csr_fits("NTConv", csr, x.shape[0])
+        z = (self.lin_centre(x).index_select(0, csr.centre)
+             + self.lin_receiver(x).index_select(0, csr.receiver))
+        if self.edge_dim is not None:
+            if edge_attr is None:
+                raise ValueError(f"NTConv: edge_attr of shape (E, edge_dim={self.edge_dim}) is required")
+            if edge_attr.dim() != 2 or edge_attr.shape != (csr.num_edges, self.edge_dim):
+                raise ValueError(f"NTConv: edge_attr must have shape (E={csr.num_edges}, edge_dim={self.edge_dim}), "
+                                 f"got {tuple(edge_attr.shape)}")
+            z = z + self.lin_edge(csr.pack(edge_attr))
+        elif edge_attr is not None:
+            raise ValueError("NTConv: edge_attr given but the layer was built with edge_dim=None")
+        z = F.dropout(F.gelu(z), self.dropout, self.training)
+        q, k, v = self.lin_qkv(z).view(z.shape[0], 3, self.heads, self.head_dim).unbind(1)
+        o = self._attend(q, k, v, csr)
+        messages = F.gelu(self.lin_out(o.reshape(o.shape[0], self.out_channels)))
+        return aggregate(messages, csr, self.aggr, num_nodes=x.shape[0], heads=self.heads, gate_group=self.gate_group)
+
+    def _attend(self, q, k, v, csr: NeighbourhoodCSR) -> torch.Tensor:
+        if self.backend == "reference":
+            if self.attention == "softmax":
+                return reference_ops.segment_softmax_attention(q, k, v, csr.rowptr)
+            if self.attention == "performer":
+                return reference_ops.segment_performer_attention(q, k, v, csr.rowptr, self.projection)
+            return reference_ops.neighbourhood_attention(q, k, v, csr.rowptr, projection=self.projection,
+                                                         threshold=self.threshold)
+        if self.attention == "softmax":
+            return segment_softmax_attention(q, k, v, csr)
+        if self.attention == "performer":
+            return segment_performer_attention(q, k, v, csr, self.projection)
+        return neighbourhood_attention(q, k, v, csr, projection=self.projection, threshold=self.threshold)
+
+    def extra_repr(self) -> str:
+        parts = [f"{self.in_channels}, {self.out_channels}", f"heads={self.heads}", f"aggr={self.aggr!r}",
+                 f"attention={self.attention!r}", f"backend={self.backend!r}"]
+        if self.edge_dim is not None:
+            parts.append(f"edge_dim={self.edge_dim}")
+        if self.projection is not None:
+            parts.append(f"nb_features={self.nb_features}")
+        if self.attention == "switch":
+            parts.append(f"threshold={self.threshold:.4g}")
+        if self.aggr == "weighted_mean":
+            parts.append(f"gate_group={self.gate_group!r}")
+        if self.dropout:
+            parts.append(f"dropout={self.dropout}")
+        return ", ".join(parts)
+
+
+class DirNT(nn.Module):
+    """Dir-NT (paper §4): one NTConv on the edges plus one on the reversed edges, summed.
+
+    Takes NTConv's arguments; both convolutions get the same ones (their own weights).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, **kwargs):
+        super().__init__()
+        self.conv = NTConv(in_channels, out_channels, **kwargs)
+        self.conv_reversed = NTConv(in_channels, out_channels, **kwargs)
+        self._graphs = _GraphCache()
+
+    @property
+    def backend(self) -> str:
+        return self.conv.backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self.conv.backend = value
+        self.conv_reversed.backend = value
+
+    def reset_parameters(self) -> None:
+        self.conv.reset_parameters()
+        self.conv_reversed.reset_parameters()
+
+    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``graph`` with every plan of both directions built (call before ``torch.compile``)."""
+        csr = self.conv.prepare(self._graphs("DirNT.prepare", graph, num_nodes), num_nodes)
+        self.conv_reversed.prepare(reversed_csr(csr, num_nodes), num_nodes)
+        return csr
+
+    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        _check_x("DirNT", x, self.conv.in_channels)
+        csr = self._graphs("DirNT", graph, x.shape[0])
+        _check_csr_fits("DirNT", csr, x.shape[0])
+        return self.conv(x, csr, edge_attr) + self.conv_reversed(x, reversed_csr(csr, x.shape[0]), edge_attr)
+
+
+class NT(nn.Module):
+    """The paper's NT network (GAT-sep backbone, DESIGN §6).
+
+    ``Linear -> Dropout -> GELU`` encoder to ``hidden`` channels; ``num_layers``
+    residual blocks ``x = x + FFN(h)`` with ``nx = LayerNorm(x)``,
+    ``h = conv(nx)`` (an NTConv, or a DirNT when ``directed``), ``h = [nx | h]``
+    when ``sep``, ``FFN = Linear -> Dropout -> GELU -> Linear -> Dropout``;
+    ``LayerNorm -> Linear`` predictor.  ``hidden`` is the total width
+    (heads x head dim); ``dropout`` applies to the encoder and the FFNs, the
+    remaining keyword arguments go to every NTConv.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, hidden: int, num_layers: int, heads: int = 1,
+                 dropout: float = 0.0, directed: bool = False, sep: bool = False, **conv_kwargs):
+        super().__init__()
+        for name, value, low in (("in_channels", in_channels, 1), ("out_channels", out_channels, 1),
+                                 ("hidden", hidden, 1), ("num_layers", num_layers, 0), ("heads", heads, 1)):
+            _check_int(f"NT: {name}", value, low)
+        _check_dropout("NT", dropout)
+        self.in_channels, self.out_channels, self.hidden = in_channels, out_channels, hidden
+        self.num_layers, self.heads, self.dropout = num_layers, heads, float(dropout)
+        self.directed, self.sep = bool(directed), bool(sep)
+        conv_cls = DirNT if directed else NTConv
+        ffn_in = 2 * hidden if sep else hidden
+        self.encoder = nn.Sequential(nn.Linear(in_channels, hidden), nn.Dropout(dropout), nn.GELU())
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers))
+        self.convs = nn.ModuleList(conv_cls(hidden, hidden, heads=heads, **conv_kwargs) for _ in range(num_layers))
+        self.ffns = nn.ModuleList(
+            nn.Sequential(nn.Linear(ffn_in, hidden), nn.Dropout(dropout), nn.GELU(),
+                          nn.Linear(hidden, hidden), nn.Dropout(dropout))
+            for _ in range(num_layers))
+        self.predictor = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, out_channels))
+        self._graphs = _GraphCache()
+
+    @property
+    def backend(self) -> str:
+        return self.convs[0].backend if self.num_layers else "fused"
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        _check_choice("NT: backend", value, BACKENDS)
+        for conv in self.convs:
+            conv.backend = value
+
+    def reset_parameters(self) -> None:
+        for block in (self.encoder, self.norms, *self.ffns, self.predictor, self.convs):
+            for module in block:
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+
+    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``graph`` with every plan of every layer built (call before ``torch.compile``)."""
+        csr = self._graphs("NT.prepare", graph, num_nodes)
+        for conv in self.convs:
+            conv.prepare(csr, num_nodes)
+        return csr
+
+    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        _check_x("NT", x, self.in_channels)
+        csr = self._graphs("NT", graph, x.shape[0])
+        x = self.encoder(x)
+        for norm, conv, ffn in zip(self.norms, self.convs, self.ffns):
+            nx = norm(x)
+            h = conv(nx, csr, edge_attr)
+            if self.sep:
+                h = torch.cat([nx, h], dim=-1)
+            x = x + ffn(h)
+        return self.predictor(x)
+
+    def extra_repr(self) -> str:
+        return (f"directed={self.directed}, sep={self.sep}, hidden={self.hidden}, "
+                f"num_layers={self.num_layers}, dropout={self.dropout}")

@@ -1,0 +1,148 @@
+"""Reference NT layer and model (DESIGN §6), written for clarity, not speed.
+
+Plain PyTorch plus the loop ops of :mod:`nt_reference.ops`; nothing from
+nt_kernels.  The combiner multiplies the explicit concatenation
+[x_j | x_k | e_jk], the aggregators are dense (N x E) masked reductions, so
+only small graphs fit.  Parameter and buffer names equal those of
+``nt_kernels.nn``, so ``reference.load_state_dict(fused.state_dict())``
+gives both the same weights.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nt_reference.ops import default_threshold, neighbourhood_attention
+
+__all__ = ["DirNT", "NT", "NTConv", "aggregate_dense"]
+
+GATED = ("weighted_mean", "gated_sum")
+
+
+def _orthogonal_features(m: int, d: int) -> torch.Tensor:
+    """Blocks of d orthogonal rows scaled by chi-distributed norms (FAVOR+)."""
+    blocks = [torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].T for _ in range(-(-m // d))]
+    basis = torch.cat(blocks)[:m]
+    return (torch.randn(m, d, dtype=torch.float64).norm(dim=1, keepdim=True) * basis).to(torch.get_default_dtype())
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax of (E, H) ``scores`` within each group of the (G, E) ``mask``; returns (G, E, H), 0 outside.
+
+    Masked entries get the lowest finite value, not -inf, so an empty group
+    gives no NaN (which would leak into the gradient).
+    """
+    masked = scores.unsqueeze(0).masked_fill(~mask.unsqueeze(-1), torch.finfo(scores.dtype).min)
+    probs = torch.softmax(masked, dim=1)
+    return torch.where(mask.unsqueeze(-1), probs, torch.zeros_like(probs))
+
+
+def aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_group="receiver"):
+    """Aggregate (E, C) messages of edges (centre -> receiver) at the receivers with dense masks."""
+    nodes = torch.arange(num_nodes, device=messages.device)
+    at_receiver = nodes.unsqueeze(1) == receiver.unsqueeze(0)
+    incidence = at_receiver.to(messages.dtype)
+    if aggr in GATED:
+        split = messages.view(messages.shape[0], heads, 2, messages.shape[1] // (2 * heads))
+        gate, value = split[:, :, 0].mean(-1), split[:, :, 1]
+        if aggr == "gated_sum":
+            weight = torch.sigmoid(gate)
+        elif gate_group == "receiver":
+            weight = _masked_softmax(gate, at_receiver).sum(0)
+        else:
+            weight = _masked_softmax(gate, nodes.unsqueeze(1) == centre.unsqueeze(0)).sum(0)
+        return incidence @ (value * weight.unsqueeze(-1)).flatten(1)
+    if aggr == "max":
+        spread = messages.unsqueeze(0).masked_fill(~at_receiver.unsqueeze(-1), -math.inf)
+        peak = spread.amax(dim=1)
+        return torch.where(at_receiver.any(1, keepdim=True), peak, torch.zeros_like(peak))
+    total = incidence @ messages
+    if aggr == "mean":
+        return total / incidence.sum(1, keepdim=True).clamp(min=1)
+    return total
+
+
+class NTConv(nn.Module):
+    """Reference NT layer; same arguments and parameters as ``nt_kernels.nn.NTConv``."""
+
+    def __init__(self, in_channels, out_channels, heads=1, edge_dim=None, aggr="weighted_mean", dropout=0.0,
+                 attention="switch", nb_features=None, threshold=None, gate_group="receiver"):
+        super().__init__()
+        self.in_channels, self.out_channels, self.heads = in_channels, out_channels, heads
+        self.head_dim = out_channels // heads
+        self.edge_dim, self.aggr, self.dropout, self.attention = edge_dim, aggr, dropout, attention
+        self.gate_group = gate_group
+        self.lin_centre = nn.Linear(in_channels, out_channels)
+        self.lin_receiver = nn.Linear(in_channels, out_channels, bias=False)
+        self.lin_edge = nn.Linear(edge_dim, out_channels, bias=False) if edge_dim is not None else None
+        self.lin_qkv = nn.Linear(out_channels, 3 * out_channels)
+        self.lin_out = nn.Linear(out_channels, (2 if aggr in GATED else 1) * out_channels)
+        if attention == "softmax":
+            self.register_buffer("projection", None)
+            self.threshold = math.inf
+        else:
+            d = self.head_dim
+            m = nb_features or max(1, int(d * math.log(d)))
+            self.register_buffer("projection", _orthogonal_features(m, d))
+            self.threshold = 0.0 if attention == "performer" else (
+                default_threshold(m, d) if threshold is None else threshold)
+
+    def forward(self, x, edge_index, edge_attr=None):
+        centre, receiver = edge_index[0], edge_index[1]
+        weights = [self.lin_centre.weight, self.lin_receiver.weight]
+        pairs = [x[centre], x[receiver]]
+        if self.lin_edge is not None:
+            weights.append(self.lin_edge.weight)
+            pairs.append(edge_attr)
+        z = torch.cat(pairs, dim=1) @ torch.cat(weights, dim=1).T + self.lin_centre.bias
+        z = F.dropout(F.gelu(z), self.dropout, self.training)
+        q, k, v = self.lin_qkv(z).view(-1, 3, self.heads, self.head_dim).unbind(1)
+        order = torch.sort(centre, stable=True).indices
+        rowptr = torch.zeros(x.shape[0] + 1, dtype=torch.long, device=x.device)
+        rowptr[1:] = torch.cumsum(torch.bincount(centre, minlength=x.shape[0]), 0)
+        packed = neighbourhood_attention(q[order], k[order], v[order], rowptr, projection=self.projection,
+                                         threshold=self.threshold)
+        o = torch.zeros_like(packed).index_copy(0, order, packed)
+        messages = F.gelu(self.lin_out(o.flatten(1)))
+        return aggregate_dense(messages, centre, receiver, x.shape[0], self.aggr, self.heads, self.gate_group)
+
+
+class DirNT(nn.Module):
+    """Reference Dir-NT: NTConv on the edges plus NTConv on the reversed edges."""
+
+    def __init__(self, in_channels, out_channels, **kwargs):
+        super().__init__()
+        self.conv = NTConv(in_channels, out_channels, **kwargs)
+        self.conv_reversed = NTConv(in_channels, out_channels, **kwargs)
+
+    def forward(self, x, edge_index, edge_attr=None):
+        return self.conv(x, edge_index, edge_attr) + self.conv_reversed(x, edge_index.flip(0), edge_attr)
+
+
+class NT(nn.Module):
+    """Reference NT network; same structure and parameter names as ``nt_kernels.nn.NT``."""
+
+    def __init__(self, in_channels, out_channels, hidden, num_layers, heads=1, dropout=0.0, directed=False,
+                 sep=False, **conv_kwargs):
+        super().__init__()
+        self.sep = sep
+        conv_cls = DirNT if directed else NTConv
+        self.encoder = nn.Sequential(nn.Linear(in_channels, hidden), nn.Dropout(dropout), nn.GELU())
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers))
+        self.convs = nn.ModuleList(conv_cls(hidden, hidden, heads=heads, **conv_kwargs) for _ in range(num_layers))
+        self.ffns = nn.ModuleList(
+            nn.Sequential(nn.Linear((2 if sep else 1) * hidden, hidden), nn.Dropout(dropout), nn.GELU(),
+                          nn.Linear(hidden, hidden), nn.Dropout(dropout))
+            for _ in range(num_layers))
+        self.predictor = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, out_channels))
+
+    def forward(self, x, edge_index, edge_attr=None):
+        x = self.encoder(x)
+        for norm, conv, ffn in zip(self.norms, self.convs, self.ffns):
+            nx = norm(x)
+            h = conv(nx, edge_index, edge_attr)
+            x = x + ffn(torch.cat([nx, h], dim=-1) if self.sep else h)
+        return self.predictor(x)
