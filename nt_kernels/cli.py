@@ -61,7 +61,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nt_kernels import demo
+    from nt_kernels import bench, demo, train
 
     parser = argparse.ArgumentParser(
         prog="nt-kernels", description="Padding-free kernels for Neighbourhood Transformers.")
@@ -69,12 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, devices and which kernels are built and used")
     info.set_defaults(func=run_info)
     demo.add_parser(sub)
-    for module in ("bench", "train"):
-        try:
-            __import__(f"nt_kernels.{module}", fromlist=["add_parser"]).add_parser(sub)
-        except ImportError as exc:
-            if exc.name != f"nt_kernels.{module}":
-                raise
+    bench.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 
