@@ -1,0 +1,395 @@
+// Kernel bodies of the Performer (FAVOR+) CPU segment attention.
+//
+// Included twice by segment_performer_kernel.cpp (AVX2+FMA and baseline ISA,
+// each in its own namespace), so it has no include guard and includes nothing
+// (the including file provides simd_math.h, small_gemm.h and the PerformerArgs
+// / PerformerKernels structs).
+//
+// Notation (DESIGN §4), per head: Pc = c P (m x D) and its transpose PcT,
+// c = D^-1/4, u = x Pc^T, diag = c^2 |x|^2 / 2, w = u - diag,
+// e = exp(w - stab), phi = fs (e + eps) with fs = m^-1/2.
+// A key block's statistics are kept *without* fs and eps and relative to the
+// block's own max M_b:  S'_b = sum_j e_j v_j^T, z'_b = sum_j e_j, vsum_b = sum_j v_j,
+// so blocks of one segment combine exactly into
+//   S = fs (sum_b exp(M_b - M) S'_b + eps vsum),  z = fs (sum_b exp(M_b - M) z'_b + eps n).
+// Statistics layout per head (stats_size = 1 + m D + m + D):
+//   [M | S or S' or dS (m x D) | z or z' or dz (m) | vsum (D)].
+
+// Rows are processed in groups of PERFORMER_GROUP so that every product is a
+// small GEMM (small_gemm.h).  Group scratch (acc_t), see GroupScratch below.
+template <typename acc_t>
+struct GroupScratch {
+  acc_t *x, *g, *out;  // GROUP x D: input rows, dO or v rows, products
+  acc_t *e, *phi, *t;  // GROUP x m: exp parts, features, U / S g / dw
+  acc_t *diag, *aux;   // GROUP: c^2 |x|^2 / 2; den or sum(dw)
+  acc_t* st;           // D x m: S or dS transposed
+  GroupScratch(acc_t* p, int64_t D, int64_t m) {
+    x = p; g = x + PERFORMER_GROUP * D; out = g + PERFORMER_GROUP * D;
+    e = out + PERFORMER_GROUP * D; phi = e + PERFORMER_GROUP * m; t = phi + PERFORMER_GROUP * m;
+    diag = t + PERFORMER_GROUP * m; aux = diag + PERFORMER_GROUP; st = aux + PERFORMER_GROUP;
+  }
+};
+
+template <typename scalar_t, typename acc_t>
+NT_INLINE void load_rows(const scalar_t* x, int64_t stride, int64_t rows, int64_t D, acc_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = to_acc(x[r * stride + d]);
+  }
+}
+
+template <typename acc_t>
+NT_INLINE void fill(acc_t* x, int64_t n, acc_t value) {
+  for (int64_t i = 0; i < n; ++i) x[i] = value;
+}
+
+// u = x Pc^T for ng rows loaded in sc.x, into u (ng x m); diag per row into sc.diag.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void project_group(const PerformerArgs<scalar_t>& a, const scalar_t* x, int64_t ng,
+                             acc_t* u, GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m, D = a.D;
+  load_rows(x, a.H * D, ng, D, sc.x);
+  fill(u, ng * m, acc_t(0));
+  gemm_acc(sc.x, D, a.proj_t, m, u, m, ng, D, m);
+  for (int64_t r = 0; r < ng; ++r) {
+    acc_t sq = 0;
+    for (int64_t d = 0; d < D; ++d) sq += sc.x[r * D + d] * sc.x[r * D + d];
+    sc.diag[r] = a.half_c2 * sq;
+  }
+}
+
+// Keys of one block: w = u - diag into w (nr x m); returns the block's max of u.
+template <typename scalar_t, typename acc_t>
+NT_INLINE acc_t key_features(const PerformerArgs<scalar_t>& a, const scalar_t* k, int64_t nr,
+                             acc_t* w, GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m, HD = a.H * a.D;
+  acc_t umax = -INFINITY;
+  for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
+    const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
+    acc_t* wg = w + g0 * m;
+    project_group(a, k + g0 * HD, ng, wg, sc);
+    umax = max_of(wg, ng * m, umax);
+    for (int64_t r = 0; r < ng; ++r) {
+      const acc_t diag = sc.diag[r];
+      for (int64_t f = 0; f < m; ++f) wg[r * m + f] -= diag;
+    }
+  }
+  return umax;
+}
+
+// Statistics [M_b | S'_b | z'_b | vsum_b] of one head's key block into st;
+// leaves e = exp(w - M_b) in w (nr x m).
+template <typename scalar_t, typename acc_t>
+NT_INLINE void key_block_stats(const PerformerArgs<scalar_t>& a, const scalar_t* k,
+                               const scalar_t* v, int64_t nr, acc_t* w, acc_t* st,
+                               GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m, D = a.D, HD = a.H * a.D;
+  acc_t* s = st + 1;
+  acc_t* z = s + m * D;
+  acc_t* vsum = z + m;
+  const acc_t block_max = key_features(a, k, nr, w, sc);
+  st[0] = block_max;
+  fill(s, m * D + m + D, acc_t(0));
+  for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
+    const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
+    acc_t* eg = w + g0 * m;
+    for (int64_t i = 0; i < ng * m; ++i) eg[i] = exp_acc(eg[i] - block_max);
+    load_rows(v + g0 * HD, HD, ng, D, sc.g);
+    // S'[f][:] += sum_r e[r][f] v[r][:];  z'[f] += sum_r e[r][f];  vsum += sum_r v[r].
+    gemm_acc<true>(eg, m, sc.g, D, s, D, m, ng, D);
+    for (int64_t r = 0; r < ng; ++r) {
+      for (int64_t f = 0; f < m; ++f) z[f] += eg[r * m + f];
+      for (int64_t d = 0; d < D; ++d) vsum[d] += sc.g[r * D + d];
+    }
+  }
+}
+
+// Combines nb block statistics (stride `stride` between blocks) of one head
+// into the segment's [M | S | z] in out.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void combine_key_stats(const PerformerArgs<scalar_t>& a, const acc_t* parts,
+                                 int64_t stride, int64_t nb, int64_t n, acc_t* out) {
+  const int64_t m = a.m, D = a.D, SD = m * D;
+  acc_t seg_max = -INFINITY;
+  for (int64_t b = 0; b < nb; ++b) seg_max = parts[b * stride] > seg_max ? parts[b * stride] : seg_max;
+  acc_t* s = out + 1;
+  acc_t* z = s + SD;
+  fill(s, SD + m, acc_t(0));
+  for (int64_t b = 0; b < nb; ++b) {
+    const acc_t* p = parts + b * stride;
+    const acc_t rescale = nb == 1 ? acc_t(1) : exp_acc(p[0] - seg_max);
+    for (int64_t i = 0; i < SD + m; ++i) s[i] += rescale * p[1 + i];
+  }
+  for (int64_t f = 0; f < m; ++f) {
+    for (int64_t d = 0; d < D; ++d) {
+      acc_t vsum = 0;
+      for (int64_t b = 0; b < nb; ++b) vsum += parts[b * stride + 1 + SD + m + d];
+      s[f * D + d] = a.feat_scale * (s[f * D + d] + a.eps * vsum);
+    }
+    z[f] = a.feat_scale * (z[f] + a.eps * static_cast<acc_t>(n));
+  }
+  out[0] = seg_max;
+}
+
+// Query features of ng rows: e = exp(u - diag - max u) into sc.e, phi = fs (e + eps) into sc.phi.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void query_features(const PerformerArgs<scalar_t>& a, const scalar_t* q, int64_t ng,
+                              GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m;
+  const acc_t fs = a.feat_scale, eps = a.eps;
+  project_group(a, q, ng, sc.e, sc);
+  for (int64_t r = 0; r < ng; ++r) {
+    acc_t* __restrict e = sc.e + r * m;
+    acc_t* __restrict phi = sc.phi + r * m;
+    const acc_t stab = max_of(e, m, acc_t(-INFINITY));
+    const acc_t diag = sc.diag[r];
+    for (int64_t f = 0; f < m; ++f) e[f] = exp_acc(e[f] - diag - stab);
+    for (int64_t f = 0; f < m; ++f) phi[f] = fs * (e[f] + eps);
+  }
+}
+
+// o_r = phi_r^T S / (phi_r . z) for nr query rows of one head from row0
+// (packed row * H + head), seg = [M | S | z].
+template <typename scalar_t, typename acc_t>
+NT_INLINE void query_forward(const PerformerArgs<scalar_t>& a, int64_t row0, int64_t nr,
+                             const acc_t* seg, GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m, D = a.D, HD = a.H * a.D;
+  const acc_t* s = seg + 1;
+  const acc_t* z = s + m * D;
+  for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
+    const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
+    const int64_t off = row0 * D + g0 * HD;
+    query_features(a, a.q + off, ng, sc);
+    fill(sc.out, ng * D, acc_t(0));
+    gemm_acc(sc.phi, m, s, D, sc.out, D, ng, m, D);
+    for (int64_t r = 0; r < ng; ++r) {
+      acc_t den = 0;
+      for (int64_t f = 0; f < m; ++f) den += sc.phi[r * m + f] * z[f];
+      for (int64_t d = 0; d < D; ++d) a.out[off + r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d] / den);
+    }
+  }
+}
+
+// dx = Pc^T dw - c^2 x sum(dw) for ng rows (dw in sc.t, x in sc.x), stored at out.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void input_grad(const PerformerArgs<scalar_t>& a, int64_t ng, GroupScratch<acc_t>& sc,
+                          scalar_t* out) {
+  const int64_t m = a.m, D = a.D, HD = a.H * a.D;
+  fill(sc.out, ng * D, acc_t(0));
+  gemm_acc(sc.t, m, a.proj, D, sc.out, D, ng, m, D);
+  for (int64_t r = 0; r < ng; ++r) {
+    acc_t dw_sum = 0;
+    for (int64_t f = 0; f < m; ++f) dw_sum += sc.t[r * m + f];
+    const acc_t c2 = 2 * a.half_c2 * dw_sum;
+    for (int64_t d = 0; d < D; ++d) {
+      out[r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d] - c2 * sc.x[r * D + d]);
+    }
+  }
+}
+
+// D x m transpose of an m x D matrix.
+template <typename acc_t>
+NT_INLINE void transpose_md(const acc_t* s, int64_t m, int64_t D, acc_t* t) {
+  for (int64_t f = 0; f < m; ++f) {
+    for (int64_t d = 0; d < D; ++d) t[d * m + f] = s[f * D + d];
+  }
+}
+
+// Backward of nr query rows of one head: writes dq and accumulates
+// dS += phi_r dnum_r^T, dz += phi_r dden_r into grad = [. | dS | dz].
+// With g = dO_r: Sg = S g, den = phi.z, g.o = phi.Sg / den,
+// dnum = g / den, dden = -g.o / den, dphi = (Sg - z g.o) / den, dw = dphi fs e.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void query_backward(const PerformerArgs<scalar_t>& a, int64_t row0, int64_t nr,
+                              const acc_t* seg, acc_t* grad, GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m, D = a.D, HD = a.H * a.D;
+  const acc_t* z = seg + 1 + m * D;
+  acc_t* ds = grad + 1;
+  acc_t* dz = ds + m * D;
+  transpose_md(seg + 1, m, D, sc.st);
+  for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
+    const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
+    const int64_t off = row0 * D + g0 * HD;
+    query_features(a, a.q + off, ng, sc);
+    load_rows(a.grad_o + off, HD, ng, D, sc.g);
+    fill(sc.t, ng * m, acc_t(0));
+    gemm_acc(sc.g, D, sc.st, m, sc.t, m, ng, D, m);  // S g per row
+    for (int64_t r = 0; r < ng; ++r) {
+      acc_t* phi = sc.phi + r * m;
+      acc_t* sg = sc.t + r * m;
+      const acc_t* e = sc.e + r * m;
+      acc_t den = 0, g_num = 0;
+      for (int64_t f = 0; f < m; ++f) {
+        den += phi[f] * z[f];
+        g_num += phi[f] * sg[f];
+      }
+      const acc_t inv_den = acc_t(1) / den;
+      const acc_t g_o = g_num * inv_den;
+      const acc_t dw_scale = inv_den * a.feat_scale;
+      for (int64_t f = 0; f < m; ++f) {
+        phi[f] *= inv_den;  // phi / den: the weight of g in dS
+        dz[f] -= phi[f] * g_o;
+        sg[f] = (sg[f] - z[f] * g_o) * dw_scale * e[f];  // dw
+      }
+    }
+    gemm_acc<true>(sc.phi, m, sc.g, D, ds, D, m, ng, D);  // dS[f][:] += sum_r phi[r][f] / den_r g_r
+    input_grad(a, ng, sc, a.dq + off);
+  }
+}
+
+// Backward of nr key rows of one head, given e = exp(w - M) of the rows
+// (nr x m) and grad = [. | dS | dz] of the segment:
+// dphi = dS v + dz, dv = dS^T phi, dw = dphi fs e.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void key_backward(const PerformerArgs<scalar_t>& a, int64_t row0, int64_t nr,
+                            const acc_t* ew, const acc_t* grad, GroupScratch<acc_t>& sc) {
+  const int64_t m = a.m, D = a.D, HD = a.H * a.D;
+  const acc_t* ds = grad + 1;
+  const acc_t* dz = ds + m * D;
+  transpose_md(ds, m, D, sc.st);
+  for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
+    const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
+    const int64_t off = row0 * D + g0 * HD;
+    const acc_t* e = ew + g0 * m;
+    load_rows(a.v + off, HD, ng, D, sc.g);
+    load_rows(a.k + off, HD, ng, D, sc.x);
+    const acc_t fs = a.feat_scale, eps = a.eps;
+    for (int64_t r = 0; r < ng; ++r) {
+      for (int64_t f = 0; f < m; ++f) sc.t[r * m + f] = dz[f];
+    }
+    for (int64_t i = 0; i < ng * m; ++i) sc.phi[i] = fs * (e[i] + eps);
+    gemm_acc(sc.g, D, sc.st, m, sc.t, m, ng, D, m);  // dphi = dS v + dz
+    fill(sc.out, ng * D, acc_t(0));
+    gemm_acc(sc.phi, m, ds, D, sc.out, D, ng, m, D);  // dv = dS^T phi
+    for (int64_t r = 0; r < ng; ++r) {
+      for (int64_t d = 0; d < D; ++d) a.dv[off + r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d]);
+    }
+    for (int64_t i = 0; i < ng * m; ++i) sc.t[i] *= fs * e[i];  // dw
+    input_grad(a, ng, sc, a.dk + off);
+  }
+}
+
+// ---- per-item entry points (all heads); see segment_performer_kernel.cpp ----
+// Item scratch: [part (stats_size) | seg (stats_size) | w (BLOCK x m) | group scratch].
+
+template <typename acc_t, typename Args>
+NT_INLINE GroupScratch<acc_t> group_scratch(const Args& a, acc_t* scratch) {
+  return GroupScratch<acc_t>(scratch + 2 * a.stats_size + PERFORMER_BLOCK * a.m, a.D, a.m);
+}
+
+// Key statistics of rows [row, row + nr) into parts (H x stats_size).
+template <typename scalar_t>
+void performer_block_stats(const PerformerArgs<scalar_t>& a, int64_t row, int64_t nr,
+                           acc_type_t<scalar_t>* parts, acc_type_t<scalar_t>* scratch) {
+  auto sc = group_scratch(a, scratch);
+  acc_type_t<scalar_t>* w = scratch + 2 * a.stats_size;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const int64_t off = (row * a.H + h) * a.D;
+    key_block_stats(a, a.k + off, a.v + off, nr, w, parts + h * a.stats_size, sc);
+  }
+}
+
+// Combines nb blocks' statistics per head into seg (H x stats_size).
+template <typename scalar_t>
+void performer_combine(const PerformerArgs<scalar_t>& a, const acc_type_t<scalar_t>* parts,
+                       int64_t nb, int64_t n, acc_type_t<scalar_t>* seg) {
+  for (int64_t h = 0; h < a.H; ++h) {
+    combine_key_stats(a, parts + h * a.stats_size, a.H * a.stats_size, nb, n,
+                      seg + h * a.stats_size);
+  }
+}
+
+// Sums nb blocks' [dS | dz] per head into seg (keeping seg's M), in block order.
+template <typename scalar_t>
+void performer_combine_grad(const PerformerArgs<scalar_t>& a, const acc_type_t<scalar_t>* parts,
+                            int64_t nb, acc_type_t<scalar_t>* seg) {
+  const int64_t len = a.m * a.D + a.m;
+  for (int64_t h = 0; h < a.H; ++h) {
+    acc_type_t<scalar_t>* out = seg + h * a.stats_size + 1;
+    fill(out, len, acc_type_t<scalar_t>(0));
+    for (int64_t b = 0; b < nb; ++b) {
+      const acc_type_t<scalar_t>* p = parts + (b * a.H + h) * a.stats_size + 1;
+      for (int64_t i = 0; i < len; ++i) out[i] += p[i];
+    }
+  }
+}
+
+// Forward of query rows [row, row + nr) with the segment's seg.
+template <typename scalar_t>
+void performer_queries_fwd(const PerformerArgs<scalar_t>& a, int64_t row, int64_t nr,
+                           const acc_type_t<scalar_t>* seg, acc_type_t<scalar_t>* scratch) {
+  auto sc = group_scratch(a, scratch);
+  for (int64_t h = 0; h < a.H; ++h) query_forward(a, row * a.H + h, nr, seg + h * a.stats_size, sc);
+}
+
+// Backward of query rows [row, row + nr): dq, and [dS | dz] partials into grad.
+template <typename scalar_t>
+void performer_queries_bwd(const PerformerArgs<scalar_t>& a, int64_t row, int64_t nr,
+                           const acc_type_t<scalar_t>* seg, acc_type_t<scalar_t>* grad,
+                           acc_type_t<scalar_t>* scratch) {
+  auto sc = group_scratch(a, scratch);
+  for (int64_t h = 0; h < a.H; ++h) {
+    acc_type_t<scalar_t>* gh = grad + h * a.stats_size;
+    fill(gh + 1, a.m * a.D + a.m, acc_type_t<scalar_t>(0));
+    query_backward(a, row * a.H + h, nr, seg + h * a.stats_size, gh, sc);
+  }
+}
+
+// Backward of key rows [row, row + nr): dk, dv, with seg = [M | dS | dz].
+template <typename scalar_t>
+void performer_keys_bwd(const PerformerArgs<scalar_t>& a, int64_t row, int64_t nr,
+                        const acc_type_t<scalar_t>* seg, acc_type_t<scalar_t>* scratch) {
+  using acc_t = acc_type_t<scalar_t>;
+  auto sc = group_scratch(a, scratch);
+  acc_t* ew = scratch + 2 * a.stats_size;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const acc_t* sh = seg + h * a.stats_size;
+    key_features(a, a.k + (row * a.H + h) * a.D, nr, ew, sc);
+    for (int64_t i = 0; i < nr * a.m; ++i) ew[i] = exp_acc(ew[i] - sh[0]);
+    key_backward(a, row * a.H + h, nr, ew, sh, sc);
+  }
+}
+
+// A whole segment of n <= PERFORMER_BLOCK rows in one go, forward.
+template <typename scalar_t>
+void performer_segment_fwd(const PerformerArgs<scalar_t>& a, int64_t row, int64_t n,
+                           acc_type_t<scalar_t>* scratch) {
+  using acc_t = acc_type_t<scalar_t>;
+  auto sc = group_scratch(a, scratch);
+  acc_t* part = scratch;
+  acc_t* seg = part + a.stats_size;
+  acc_t* w = seg + a.stats_size;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const int64_t off = (row * a.H + h) * a.D;
+    key_block_stats(a, a.k + off, a.v + off, n, w, part, sc);
+    combine_key_stats(a, part, a.stats_size, 1, n, seg);
+    query_forward(a, row * a.H + h, n, seg, sc);
+  }
+}
+
+// A whole segment of n <= PERFORMER_BLOCK rows in one go, backward; the
+// keys' e = exp(w - M) of the statistics step is reused by the key backward.
+template <typename scalar_t>
+void performer_segment_bwd(const PerformerArgs<scalar_t>& a, int64_t row, int64_t n,
+                           acc_type_t<scalar_t>* scratch) {
+  using acc_t = acc_type_t<scalar_t>;
+  auto sc = group_scratch(a, scratch);
+  acc_t* part = scratch;
+  acc_t* seg = part + a.stats_size;
+  acc_t* ew = seg + a.stats_size;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const int64_t off = (row * a.H + h) * a.D;
+    key_block_stats(a, a.k + off, a.v + off, n, ew, part, sc);
+    combine_key_stats(a, part, a.stats_size, 1, n, seg);
+    fill(part + 1, a.m * a.D + a.m, acc_t(0));
+    query_backward(a, row * a.H + h, n, seg, part, sc);
+    key_backward(a, row * a.H + h, n, ew, part, sc);
+  }
+}
+
+template <typename scalar_t>
+PerformerKernels<scalar_t> performer_kernels() {
+  return {&performer_block_stats<scalar_t>, &performer_combine<scalar_t>,
+          &performer_combine_grad<scalar_t>, &performer_queries_fwd<scalar_t>,
+          &performer_queries_bwd<scalar_t>, &performer_keys_bwd<scalar_t>,
+          &performer_segment_fwd<scalar_t>, &performer_segment_bwd<scalar_t>};
+}
