@@ -1,0 +1,95 @@
+"""pytest-benchmark suites of the segment-attention backends (``pytest bench/ --benchmark-only``).
+
+Not part of the default test run (``testpaths = ["tests"]``).  Choose what runs
+with environment variables:
+
+* ``NT_BENCH_GRAPHS``: comma list of ``minesweeper``, ``tolokers`` or
+  ``synthetic-<paper dataset>@<scale>`` (default
+  ``synthetic-minesweeper@0.25,synthetic-tolokers@0.05``);
+* ``NT_BENCH_BACKENDS``: backend names or families, or ``all`` (default
+  ``fused,by-size,partitioned-0.4,sequential,reference,flex,nested``);
+* ``NT_BENCH_HEADS``, ``NT_BENCH_HEAD_DIM``, ``NT_BENCH_DTYPE``,
+  ``NT_BENCH_DEVICE`` (default 4, 8, float32, cuda if available else cpu),
+  ``NT_BENCH_ROUNDS`` (default 5).
+
+Backends that do not apply (see ``nt_kernels.bench_backends.skip_reason``) or
+whose op is not built are skipped with the reason.
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import pytest
+import torch
+
+from nt_kernels import bench_backends as bb
+from nt_kernels import bench_measure as bm
+
+DEFAULT_GRAPHS = "synthetic-minesweeper@0.25,synthetic-tolokers@0.05"
+DEFAULT_BACKENDS = "fused,by-size,partitioned-0.4,sequential,reference,flex,nested"
+INPUT_SETS = 3
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def settings() -> dict:
+    from nt_kernels.performer import default_nb_features, switch_threshold
+
+    head_dim = int(_env("NT_BENCH_HEAD_DIM", "8"))
+    m = default_nb_features(head_dim)
+    return {"heads": int(_env("NT_BENCH_HEADS", "4")), "head_dim": head_dim,
+            "dtype": _env("NT_BENCH_DTYPE", "float32"),
+            "device": _env("NT_BENCH_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"),
+            "seed": 0, "nb_features": m, "threshold": switch_threshold(m, head_dim),
+            "reference_max_edges": 20_000, "memory_cap_gb": 10.0}
+
+
+@lru_cache(maxsize=None)
+def context(graph: str) -> bb.Context:
+    from nt_kernels.csr import NeighbourhoodCSR
+    from nt_kernels.data import load_npz, synthetic_graph
+
+    name, _, scale = graph.partition("@")
+    if name.startswith("synthetic-"):
+        data = synthetic_graph(name[len("synthetic-"):], scale=float(scale or 1.0))
+    else:
+        data = load_npz(name, undirected=True)
+    csr = NeighbourhoodCSR.from_edge_index(data.edge_index, data.num_nodes)
+    blob = {"rowptr": csr.rowptr, "perm": csr.perm, "receiver": csr.receiver, "num_nodes": csr.num_nodes,
+            "max_degree": csr.max_degree}
+    return bm.build_context(blob, settings())
+
+
+@lru_cache(maxsize=None)
+def input_sets(graph: str) -> list:
+    ctx = context(graph)
+    return [bm.make_inputs(ctx.num_edges, settings(), i) for i in range(INPUT_SETS)]
+
+
+def pytest_generate_tests(metafunc):
+    if "case" in metafunc.fixturenames:
+        graphs = [g.strip() for g in _env("NT_BENCH_GRAPHS", DEFAULT_GRAPHS).split(",") if g.strip()]
+        backends = bb.select_backends(_env("NT_BENCH_BACKENDS", DEFAULT_BACKENDS))
+        cases = [(g, b) for g in graphs for b in backends]
+        metafunc.parametrize("case", cases, indirect=True, ids=[f"{g}-{b.name}" for g, b in cases])
+
+
+@pytest.fixture
+def case(request):
+    """(backend fn, context, rotating input sets) for one graph and backend, or a skip."""
+    graph, backend = request.param
+    ctx = context(graph)
+    reason = bb.skip_reason(backend, ctx)
+    if reason is None and backend.family == "fused":
+        reason = bb.fused_unavailable(ctx.device)
+    if reason:
+        pytest.skip(reason)
+    return bb.prepare(backend, ctx), ctx, input_sets(graph)
+
+
+@pytest.fixture
+def rounds() -> int:
+    return int(_env("NT_BENCH_ROUNDS", "5"))

@@ -1,0 +1,269 @@
+"""Backends compared by ``nt-kernels bench`` and the pytest-benchmark suites.
+
+Every backend computes the same packed (E, H, D) output from packed q, k, v:
+
+* ``fused`` — ours, :func:`nt_kernels.neighbourhood_attention` on a
+  :class:`NeighbourhoodCSR` whose segment split is built before timing;
+* ``reference`` — the per-segment loop of :mod:`nt_reference.ops` (small graphs);
+* the paper's strategies from :mod:`nt_reference.strategies`: ``parallel``
+  (one padded batch, exact attention everywhere), ``by-size`` (size split at the
+  threshold, one padded batch per path), ``partitioned-<alpha>`` (size split +
+  Algorithm 1) and ``sequential`` (one batch per distinct size);
+* CUDA only, when every segment takes the exact path: ``flex`` (FlexAttention
+  over the packed sequence with a document mask) and ``nested`` (SDPA on a
+  jagged nested tensor).
+
+A backend's ``prepare(ctx)`` returns ``fn(q, k, v) -> o``; everything a backend
+builds once per graph (plans, masks, compiled kernels) is built there, outside
+the timed region.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+STRATEGY_FAMILIES = ("parallel", "by-size", "partitioned", "sequential")
+
+# Padded-tensor estimate: per padded row and head, c_d * D elements for the
+# gathered q, k, v, their outputs and gradients, plus c_m * m Performer feature
+# elements or c_l * L exact score elements (scores, probabilities, gradient).
+EST_C_D, EST_C_M, EST_C_L = 8, 8, 3
+
+
+@dataclass
+class Context:
+    """What a backend needs: the packed graph on the bench device and the attention settings."""
+
+    csr: object                      # NeighbourhoodCSR on the bench device
+    projection: torch.Tensor | None  # (m, D) in the bench dtype, None in exact mode
+    threshold: float                 # math.inf in exact mode
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    reference_max_edges: int
+    memory_cap_bytes: int
+    hist: tuple[list[int], list[int]] = field(default=None)
+
+    def __post_init__(self):
+        if self.hist is None:
+            sizes, counts = self.csr.size_hist
+            self.hist = (sizes.tolist(), counts.tolist())
+
+    @property
+    def num_edges(self) -> int:
+        return self.csr.num_edges
+
+    @property
+    def nb_features(self) -> int:
+        return 0 if self.projection is None else self.projection.shape[0]
+
+    @property
+    def has_performer_segments(self) -> bool:
+        return any(n > self.threshold for n in self.hist[0])
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    family: str
+    alpha: float | None = None
+
+    @property
+    def semantics(self) -> str:
+        """``exact`` for backends that run exact attention everywhere, else ``switch``."""
+        return "exact" if self.family in ("parallel", "flex", "nested") else "switch"
+
+
+def all_backends(alphas=ALPHAS) -> list[Backend]:
+    """Every backend in table order: ours, the loop reference, the paper's strategies, CUDA baselines."""
+    backends = [Backend("fused", "fused"), Backend("reference", "reference"),
+                Backend("parallel", "parallel"), Backend("by-size", "by-size")]
+    backends += [Backend(f"partitioned-{a:g}", "partitioned", float(a)) for a in alphas]
+    backends += [Backend("sequential", "sequential"), Backend("flex", "flex"), Backend("nested", "nested")]
+    return backends
+
+
+def select_backends(spec: str | None, alphas=ALPHAS) -> list[Backend]:
+    """Backends named in a comma list (family names such as ``partitioned`` expand to every alpha)."""
+    backends = all_backends(alphas)
+    if not spec or spec == "all":
+        return backends
+    chosen = []
+    for token in (t.strip() for t in spec.split(",") if t.strip()):
+        hits = [b for b in backends if token in (b.name, b.family)]
+        if not hits:
+            raise ValueError(f"bench: unknown backend {token!r}; choose from "
+                             f"{sorted({b.family for b in backends} | {b.name for b in backends})}")
+        chosen += [b for b in hits if b not in chosen]
+    return chosen
+
+
+# ----------------------------------------------------------- padded groups
+def padded_groups(backend: Backend, ctx: Context) -> list[tuple[int, int, bool]] | None:
+    """(segments G, padded length L, performer?) of every batched call a strategy makes, else None."""
+    from nt_kernels.partition import partition_by_area
+
+    sizes, counts = ctx.hist
+    present = [(n, c) for n, c in zip(sizes, counts) if n > 0 and c > 0]
+    if not present:
+        return []
+    if backend.family == "parallel":
+        return [(sum(c for _, c in present), max(n for n, _ in present), False)]
+    if backend.family == "by-size":
+        groups = []
+        for perf in (True, False):
+            part = [(n, c) for n, c in present if (n > ctx.threshold) == perf]
+            if part:
+                groups.append((sum(c for _, c in part), max(n for n, _ in part), perf))
+        return groups
+    if backend.family == "sequential":
+        return [(c, n, n > ctx.threshold) for n, c in present]
+    if backend.family == "partitioned":
+        plan = partition_by_area([n for n, _ in present], [c for _, c in present],
+                                 alpha=backend.alpha, threshold=ctx.threshold)
+        return [(g.count, g.hi, g.performer) for g in plan]
+    return None
+
+
+def padded_estimate_bytes(backend: Backend, ctx: Context) -> int | None:
+    """Rough size of a strategy's padded tensors for one forward+backward (all groups live at once)."""
+    groups = padded_groups(backend, ctx)
+    if groups is None:
+        return None
+    item = torch.empty(0, dtype=ctx.dtype).element_size()
+    m = max(ctx.nb_features, 1)
+    total = 0
+    for count, length, performer in groups:
+        per_row = EST_C_D * ctx.head_dim + (EST_C_M * m if performer else EST_C_L * length)
+        total += count * length * ctx.heads * per_row * item
+    return total
+
+
+# --------------------------------------------------------------- applicability
+def skip_reason(backend: Backend, ctx: Context) -> str | None:
+    """Why ``backend`` is not run on this graph and device (a ``skipped: ...`` / ``n/a: ...`` status)."""
+    if backend.family in ("flex", "nested"):
+        if ctx.device.type != "cuda":
+            return "n/a: CUDA only"
+        if ctx.has_performer_segments:
+            return "n/a: graph has Performer-path segments (exact-only baseline; use --subset exact)"
+    if backend.family == "reference" and ctx.num_edges > ctx.reference_max_edges:
+        return f"skipped: loop reference limited to E <= {ctx.reference_max_edges} (--reference-max-edges)"
+    est = padded_estimate_bytes(backend, ctx)
+    if est is not None and est > ctx.memory_cap_bytes:
+        return f"skipped: est. {est / 1e9:.1f} GB > cap {ctx.memory_cap_bytes / 1e9:.1f} GB"
+    return None
+
+
+# --------------------------------------------------------------------- prepare
+def prepare(backend: Backend, ctx: Context) -> Callable:
+    """Build ``fn(q, k, v) -> o`` for ``backend`` with its per-graph state precomputed."""
+    projection = ctx.projection if backend.semantics == "switch" else None
+    threshold = ctx.threshold if backend.semantics == "switch" else math.inf
+    rowptr = ctx.csr.rowptr
+    if backend.family == "fused":
+        import nt_kernels
+
+        csr = ctx.csr
+        csr.segment_split(threshold)
+        return lambda q, k, v: nt_kernels.neighbourhood_attention(q, k, v, csr, projection=projection,
+                                                                  threshold=threshold)
+    if backend.family == "reference":
+        from nt_reference import ops as ref
+
+        return lambda q, k, v: ref.neighbourhood_attention(q, k, v, rowptr, projection=projection,
+                                                           threshold=threshold)
+    if backend.family in STRATEGY_FAMILIES:
+        from nt_reference import strategies
+
+        if backend.family == "parallel":
+            return lambda q, k, v: strategies.padded(q, k, v, rowptr)
+        if backend.family == "by-size":
+            return lambda q, k, v: strategies.padded(q, k, v, rowptr, projection=projection,
+                                                     threshold=threshold)
+        if backend.family == "sequential":
+            return lambda q, k, v: strategies.sequential(q, k, v, rowptr, projection=projection,
+                                                         threshold=threshold)
+        alpha = backend.alpha
+        return lambda q, k, v: strategies.partitioned(q, k, v, rowptr, projection=projection,
+                                                      threshold=threshold, alpha=alpha)
+    if backend.family == "flex":
+        return _prepare_flex(ctx)
+    if backend.family == "nested":
+        return _prepare_nested(ctx)
+    raise ValueError(f"bench: no backend family {backend.family!r}")
+
+
+def _prepare_flex(ctx: Context) -> Callable:
+    """FlexAttention over the whole packed sequence, (1, H, E, D), with a document (segment) mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = ctx.csr.centre
+    num_rows = ctx.num_edges
+
+    def same_segment(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    block_mask = create_block_mask(same_segment, None, None, num_rows, num_rows, device=ctx.device,
+                                   _compile=True)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def fn(q, k, v):
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return compiled(q, k, v, block_mask=block_mask).squeeze(0).transpose(0, 1)
+
+    return fn
+
+
+def _prepare_nested(ctx: Context) -> Callable:
+    """SDPA on jagged nested tensors (S, H, j, D) built over the packed rows (empty segments dropped)."""
+    import torch.nn.functional as F
+
+    offsets = torch.unique_consecutive(ctx.csr.rowptr)
+
+    def fn(q, k, v):
+        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets=offsets).transpose(1, 2)
+                   for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
+
+    return fn
+
+
+# ----------------------------------------------------------------- fused probe
+_PROBE = """
+import torch, nt_kernels
+q = torch.randn(12, 2, 4, device={device!r}, requires_grad=True)
+p = nt_kernels.orthogonal_random_features(4, 4, device={device!r})
+o = nt_kernels.neighbourhood_attention(q, q, q, torch.tensor([0, 3, 12], device={device!r}),
+                                       projection=p, threshold=5)
+o.sum().backward()
+assert torch.isfinite(o).all() and torch.isfinite(q.grad).all()
+"""
+
+_probe_cache: dict[str, str | None] = {}
+
+
+def fused_unavailable(device: torch.device) -> str | None:
+    """None if a tiny fused forward+backward runs on ``device`` (checked in a subprocess), else why not.
+
+    A subprocess keeps a crashing extension (while a kernel is being rebuilt)
+    from taking the benchmark or the test session down with it.
+    """
+    key = str(device)
+    if key not in _probe_cache:
+        proc = subprocess.run([sys.executable, "-c", _PROBE.format(device=key)], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode == 0:
+            _probe_cache[key] = None
+        else:
+            lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+            detail = lines[-1][:200] if lines else f"exit status {proc.returncode}"
+            _probe_cache[key] = f"error: fused op unavailable on {key} ({detail})"
+    return _probe_cache[key]

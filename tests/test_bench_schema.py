@@ -1,0 +1,203 @@
+"""The JSON written by ``nt-kernels bench``: a schema, and a tiny in-process bench validated against it.
+
+The schema is a JSON-Schema-style dict checked by the small validator below
+(plain Python: ``jsonschema`` is not a dependency).  No timing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nt_kernels import bench, bench_plot
+
+NUMBER = {"type": "number"}
+INT = {"type": "integer", "minimum": 0}
+STR = {"type": "string"}
+OPT_NUMBER = {"type": ["number", "null"]}
+
+RESULT = {
+    "type": "object",
+    "required": ["backend", "family", "alpha", "status"],
+    "properties": {
+        "backend": STR,
+        "family": {"enum": ["fused", "reference", "parallel", "by-size", "partitioned", "sequential", "flex",
+                            "nested"]},
+        "alpha": OPT_NUMBER,
+        "status": STR,
+        "forward_ms": NUMBER, "forward_backward_ms": NUMBER,
+        "forward_ms_runs": {"type": "array", "items": NUMBER},
+        "forward_backward_ms_runs": {"type": "array", "items": NUMBER},
+        "peak_memory_bytes": INT, "memory_method": STR,
+        "max_abs_error": NUMBER, "rel_error": NUMBER, "error_vs": STR,
+        "padded_estimate_bytes": INT, "padded_calls": INT,
+    },
+}
+OK_RESULT_REQUIRED = ["forward_ms", "forward_backward_ms", "forward_ms_runs", "forward_backward_ms_runs",
+                      "peak_memory_bytes", "memory_method", "max_abs_error", "rel_error", "error_vs"]
+
+SCHEMA = {
+    "type": "object",
+    "required": ["schema_version", "created", "command", "device", "versions", "graph", "settings", "results",
+                 "summary"],
+    "properties": {
+        "schema_version": {"enum": [1]},
+        "created": STR,
+        "command": {"type": "string", "pattern_prefix": "nt-kernels bench"},
+        "device": {"type": "object", "required": ["name", "type", "threads"],
+                   "properties": {"name": STR, "type": {"enum": ["cpu", "cuda"]}, "threads": INT}},
+        "versions": {"type": "object", "required": ["python", "torch", "triton", "nt_kernels"],
+                     "properties": {"python": STR, "torch": STR, "triton": {"type": ["string", "null"]},
+                                    "nt_kernels": STR}},
+        "graph": {"type": "object",
+                  "required": ["name", "source", "scale", "num_nodes", "num_edges", "max_degree",
+                               "distinct_sizes", "segments"],
+                  "properties": {"name": STR, "source": {"enum": ["real", "synthetic"]}, "scale": OPT_NUMBER,
+                                 "num_nodes": INT, "num_edges": INT, "max_degree": INT, "distinct_sizes": INT,
+                                 "segments": {"type": "object", "required": ["exact", "performer", "empty"],
+                                              "properties": {"exact": INT, "performer": INT, "empty": INT}}}},
+        "settings": {"type": "object",
+                     "required": ["heads", "head_dim", "dtype", "device", "threads", "seed", "repeats", "warmup",
+                                  "input_sets", "nb_features", "threshold", "subset", "isolation",
+                                  "memory_cap_gb", "reference_max_edges"],
+                     "properties": {"heads": INT, "head_dim": INT,
+                                    "dtype": {"enum": ["float16", "bfloat16", "float32", "float64"]},
+                                    "device": STR, "threads": INT, "seed": INT, "repeats": INT, "warmup": INT,
+                                    "input_sets": INT, "nb_features": INT,
+                                    "threshold": {"type": ["number", "string"]},
+                                    "subset": {"enum": ["all", "exact"]},
+                                    "isolation": {"enum": ["subprocess", "in-process"]},
+                                    "memory_cap_gb": NUMBER, "reference_max_edges": INT}},
+        "results": {"type": "array", "items": RESULT},
+        "summary": {"type": "object", "required": ["fused"]},
+        "load_average": {"type": "object", "required": ["start", "end"],
+                         "properties": {"start": {"type": "array", "items": NUMBER},
+                                        "end": {"type": "array", "items": NUMBER}}},
+    },
+}
+
+_TYPES = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+
+
+def _is(value, type_name: str) -> bool:
+    if type_name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if type_name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, _TYPES[type_name])
+
+
+def validate(value, schema: dict, path: str = "$") -> list[str]:
+    """Errors of ``value`` against the schema subset used here (type, enum, required, properties, items)."""
+    errors = []
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        if not any(_is(value, t) for t in types):
+            return [f"{path}: expected {types}, got {type(value).__name__} {value!r}"]
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} not in {schema['enum']}")
+    if "minimum" in schema and value < schema["minimum"]:
+        errors.append(f"{path}: {value} < {schema['minimum']}")
+    if "pattern_prefix" in schema and not value.startswith(schema["pattern_prefix"]):
+        errors.append(f"{path}: does not start with {schema['pattern_prefix']!r}")
+    if isinstance(value, dict):
+        errors += [f"{path}: missing {key!r}" for key in schema.get("required", []) if key not in value]
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                errors += validate(value[key], sub, f"{path}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += validate(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def check_document(doc: dict) -> list[str]:
+    errors = validate(doc, SCHEMA)
+    for i, entry in enumerate(doc.get("results", [])):
+        if entry.get("status") == "ok":
+            errors += [f"$.results[{i}]: ok result missing {key!r}" for key in OK_RESULT_REQUIRED
+                       if key not in entry]
+    return errors
+
+
+def _args(tmp_path, *extra) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "--graph", "synthetic-minesweeper", "--scale", "0.01", "--repeats", "2",
+                              "--warmup", "0", "--in-process", "--out", str(tmp_path / "run.json"), *extra])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_committed_results_validate(path):
+    assert check_document(json.loads(path.read_text())) == []
+
+
+def test_validator_rejects_bad_documents():
+    assert validate({"a": 1}, {"type": "object", "required": ["b"]}) == ["$: missing 'b'"]
+    assert validate(True, INT)
+    assert validate(math.nan, NUMBER)
+    assert validate(-1, INT)
+    assert validate("x", {"enum": ["y"]})
+
+
+def test_tiny_bench_writes_valid_json(tmp_path, capsys):
+    args = _args(tmp_path, "--backends", "fused,by-size,partitioned-0.4,sequential,flex")
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert check_document(doc) == []
+    by_name = {e["backend"]: e for e in doc["results"]}
+    assert list(by_name) == ["fused", "by-size", "partitioned-0.4", "sequential", "flex"]
+    for name in ("by-size", "partitioned-0.4", "sequential"):
+        entry = by_name[name]
+        assert entry["status"] == "ok", entry
+        assert len(entry["forward_backward_ms_runs"]) == 2
+        assert entry["max_abs_error"] < 1e-4
+        assert entry["error_vs"].startswith("loop reference")
+        assert entry["padded_calls"] >= 1
+    fused = by_name["fused"]
+    assert fused["status"] == "ok" or fused["status"].startswith("error: fused op unavailable")
+    if fused["status"] == "ok":
+        assert fused["max_abs_error"] < 1e-4
+    if doc["device"]["type"] == "cpu":
+        assert by_name["flex"]["status"] == "n/a: CUDA only"
+    out = capsys.readouterr().out
+    assert "partitioned-0.4" in out and "run.json" in out
+
+
+def test_memory_cap_skips_padded_strategies(tmp_path):
+    args = _args(tmp_path, "--backends", "parallel,sequential", "--memory-cap-gb", "1e-9")
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert check_document(doc) == []
+    for entry in doc["results"]:
+        assert entry["status"].startswith("skipped: est."), entry
+        assert entry["padded_estimate_bytes"] > 0
+
+
+def test_results_markdown_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    args = _args(tmp_path, "--backends", "partitioned-0.4,sequential")
+    assert args.func(args) == 0
+    docs_dir = tmp_path / "docs"
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "run.json").write_text((tmp_path / "run.json").read_text())
+    doc = json.loads((tmp_path / "run.json").read_text())
+    for _ in range(2):
+        written = bench_plot.publish([(doc, tmp_path / "run.json")], docs_dir, tmp_path / "results")
+    text = (docs_dir / "results.md").read_text()
+    assert text.count("<!-- bench:run -->") == 1 and text.count("<!-- bench:summary -->") == 1
+    assert "| partitioned-0.4 |" in text
+    assert (docs_dir / "efficiency-run.png").stat().st_size > 0
+    assert docs_dir / "results.md" in written
+
+
+def test_replace_block_keeps_other_text():
+    text = "# Results\n\nintro\n"
+    once = bench_plot.replace_block(text, "k", "one")
+    twice = bench_plot.replace_block(once + "\nmore\n", "k", "two")
+    assert "intro" in twice and "more" in twice and "two" in twice and "one" not in twice
