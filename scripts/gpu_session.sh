@@ -28,10 +28,10 @@ NT_KERNELS_CUDA=ON pip install --no-build-isolation --no-deps -e . 2>&1 | tail -
 python -m nt_kernels.cli info 2>&1 | tee "$out/info.txt"
 python -m pytest -q -x --durations=15 tests "$@" 2>&1 | tee "$out/tests.log"
 status=${PIPESTATUS[0]}
-if python -c "import nt_kernels.bench" 2>/dev/null; then
-  for graph in minesweeper tolokers; do
-    python -m nt_kernels.cli bench --graph "$graph" --device cuda --out "$out/bench-$graph.json" 2>&1 \
-      | tee -a "$out/bench.log"
-  done
-fi
+bench() {
+  python -m nt_kernels.cli bench --device cuda --out "$out" "$@" 2>&1 | tee -a "$out/bench.log"
+}
+bench --graph minesweeper,tolokers --heads 4 --head-dim 8
+bench --graph tolokers --heads 2 --head-dim 32
+bench --graph tolokers --heads 4 --head-dim 8 --subset exact --dtype bfloat16
 exit "$status"
