@@ -11,13 +11,7 @@ from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn import NT, DirNT, NTConv
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The reference loops run thousands of tiny ops; on a loaded 2-core machine OpenMP hand-offs dominate them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 AGGRS = ["sum", "mean", "max", "weighted_mean", "gated_sum"]

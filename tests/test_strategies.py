@@ -17,13 +17,7 @@ T = 6  # explicit switch threshold of the random graphs
 M, D, H = 5, 3, 2  # n* = 5 + sqrt(25 + 15) = 11.32 for the default threshold
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Thousands of tiny per-segment ops: two OpenMP threads only add overhead."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 STRATEGIES = {

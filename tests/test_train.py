@@ -15,13 +15,7 @@ from nt_kernels.nn import NT
 from nt_kernels.train import PRESETS, TrainConfig, add_parser, demo_training, preset, roc_auc, score, train_split
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The reference loops run thousands of tiny ops; on a loaded 2-core machine OpenMP hand-offs dominate them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 DATA = default_data_root()
