@@ -1,9 +1,9 @@
 // Kernel bodies of the Performer (FAVOR+) CPU segment attention.
 //
 // Included twice by segment_performer_kernel.cpp (AVX2+FMA and baseline ISA,
-// each in its own namespace), so it has no include guard and includes nothing
-// (the including file provides simd_math.h, small_gemm.h and the PerformerArgs
-// / PerformerKernels structs).
+// each in its own namespace), so it has no include guard and includes only the
+// per-ISA gemm_dispatch.h (the including file provides simd_math.h,
+// small_gemm.h, gemm_avx2.h and the PerformerArgs / PerformerKernels structs).
 //
 // Notation (DESIGN §4), per head: Pc = c P (m x D) and its transpose PcT,
 // c = D^-1/4, u = x Pc^T, diag = c^2 |x|^2 / 2, w = u - diag,
@@ -15,6 +15,8 @@
 // Statistics layout per head (stats_size = 1 + m D + m + D):
 //   [M | S or S' or dS (m x D) | z or z' or dz (m) | vsum (D)].
 
+#include "cpu/gemm_dispatch.h"
+
 // Rows are processed in groups of PERFORMER_GROUP so that every product is a
 // small GEMM (small_gemm.h).  Group scratch (acc_t), see GroupScratch below.
 template <typename acc_t>
@@ -23,6 +25,11 @@ struct GroupScratch {
   acc_t *e, *phi, *t;  // GROUP x m: exp parts, features, U / S g / dw
   acc_t *diag, *aux;   // GROUP: c^2 |x|^2 / 2; den or sum(dw)
   acc_t* st;           // D x m: S or dS transposed
+  // The current group's input rows (x) and dO or v rows (g) as acc_t: views of
+  // the packed tensors when they are acc_t already, else converted copies in x, g.
+  const acc_t* xr = nullptr;
+  const acc_t* gr = nullptr;
+  int64_t ldx = 0, ldg = 0;
   GroupScratch(acc_t* p, int64_t D, int64_t m) {
     x = p; g = x + PERFORMER_GROUP * D; out = g + PERFORMER_GROUP * D;
     e = out + PERFORMER_GROUP * D; phi = e + PERFORMER_GROUP * m; t = phi + PERFORMER_GROUP * m;
@@ -30,30 +37,31 @@ struct GroupScratch {
   }
 };
 
-template <typename scalar_t, typename acc_t>
-NT_INLINE void load_rows(const scalar_t* x, int64_t stride, int64_t rows, int64_t D, acc_t* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = to_acc(x[r * stride + d]);
+// Prefetches the head's D elements of rows [first, last) of x (row stride
+// `stride`), clipped to the nr rows of the current run: the next group's rows
+// are requested while this group computes.
+template <typename scalar_t>
+NT_INLINE void prefetch_rows(const scalar_t* x, int64_t stride, int64_t first, int64_t last, int64_t nr,
+                             int64_t D) {
+  constexpr int64_t LINE = 64;
+  last = last < nr ? last : nr;
+  for (int64_t r = first; r < last; ++r) {
+    const char* row = reinterpret_cast<const char*>(x + r * stride);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += LINE) __builtin_prefetch(row + b);
   }
 }
 
-template <typename acc_t>
-NT_INLINE void fill(acc_t* x, int64_t n, acc_t value) {
-  for (int64_t i = 0; i < n; ++i) x[i] = value;
-}
-
-// u = x Pc^T for ng rows loaded in sc.x, into u (ng x m); diag per row into sc.diag.
+// u = x Pc^T for ng rows (viewed in sc.xr), into u (ng x m); diag per row into sc.diag.
 template <typename scalar_t, typename acc_t>
 NT_INLINE void project_group(const PerformerArgs<scalar_t>& a, const scalar_t* x, int64_t ng,
                              acc_t* u, GroupScratch<acc_t>& sc) {
   const int64_t m = a.m, D = a.D;
-  load_rows(x, a.H * D, ng, D, sc.x);
+  sc.xr = view_rows(x, a.H * D, ng, D, sc.x, sc.ldx);
   fill(u, ng * m, acc_t(0));
-  gemm_acc(sc.x, D, a.proj_t, m, u, m, ng, D, m);
+  mm_acc(sc.xr, sc.ldx, a.proj_t, m, u, m, ng, D, m);
   for (int64_t r = 0; r < ng; ++r) {
-    acc_t sq = 0;
-    for (int64_t d = 0; d < D; ++d) sq += sc.x[r * D + d] * sc.x[r * D + d];
-    sc.diag[r] = a.half_c2 * sq;
+    const acc_t* xr = sc.xr + r * sc.ldx;
+    sc.diag[r] = a.half_c2 * dot_of(xr, xr, D);
   }
 }
 
@@ -66,6 +74,7 @@ NT_INLINE acc_t key_features(const PerformerArgs<scalar_t>& a, const scalar_t* k
   for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
     const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
     acc_t* wg = w + g0 * m;
+    prefetch_rows(k, HD, g0 + PERFORMER_GROUP, g0 + 2 * PERFORMER_GROUP, nr, a.D);
     project_group(a, k + g0 * HD, ng, wg, sc);
     umax = max_of(wg, ng * m, umax);
     for (int64_t r = 0; r < ng; ++r) {
@@ -92,13 +101,14 @@ NT_INLINE void key_block_stats(const PerformerArgs<scalar_t>& a, const scalar_t*
   for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
     const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
     acc_t* eg = w + g0 * m;
+    prefetch_rows(v, HD, g0 + PERFORMER_GROUP, g0 + 2 * PERFORMER_GROUP, nr, D);
     for (int64_t i = 0; i < ng * m; ++i) eg[i] = exp_acc(eg[i] - block_max);
-    load_rows(v + g0 * HD, HD, ng, D, sc.g);
+    sc.gr = view_rows(v + g0 * HD, HD, ng, D, sc.g, sc.ldg);
     // S'[f][:] += sum_r e[r][f] v[r][:];  z'[f] += sum_r e[r][f];  vsum += sum_r v[r].
-    gemm_acc<true>(eg, m, sc.g, D, s, D, m, ng, D);
+    mm_acc<true>(eg, m, sc.gr, sc.ldg, s, D, m, ng, D);
     for (int64_t r = 0; r < ng; ++r) {
       for (int64_t f = 0; f < m; ++f) z[f] += eg[r * m + f];
-      for (int64_t d = 0; d < D; ++d) vsum[d] += sc.g[r * D + d];
+      for (int64_t d = 0; d < D; ++d) vsum[d] += sc.gr[r * sc.ldg + d];
     }
   }
 }
@@ -158,31 +168,28 @@ NT_INLINE void query_forward(const PerformerArgs<scalar_t>& a, int64_t row0, int
   for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
     const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
     const int64_t off = row0 * D + g0 * HD;
+    prefetch_rows(a.q + off, HD, PERFORMER_GROUP, 2 * PERFORMER_GROUP, nr - g0, D);
     query_features(a, a.q + off, ng, sc);
     fill(sc.out, ng * D, acc_t(0));
-    gemm_acc(sc.phi, m, s, D, sc.out, D, ng, m, D);
+    mm_acc(sc.phi, m, s, D, sc.out, D, ng, m, D);
     for (int64_t r = 0; r < ng; ++r) {
-      acc_t den = 0;
-      for (int64_t f = 0; f < m; ++f) den += sc.phi[r * m + f] * z[f];
-      for (int64_t d = 0; d < D; ++d) a.out[off + r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d] / den);
+      const acc_t inv_den = acc_t(1) / dot_of(sc.phi + r * m, z, m);
+      for (int64_t d = 0; d < D; ++d) a.out[off + r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d] * inv_den);
     }
   }
 }
 
-// dx = Pc^T dw - c^2 x sum(dw) for ng rows (dw in sc.t, x in sc.x), stored at out.
+// dx = Pc^T dw - c^2 x sum(dw) for ng rows (dw in sc.t, x viewed in sc.xr), stored at out.
 template <typename scalar_t, typename acc_t>
 NT_INLINE void input_grad(const PerformerArgs<scalar_t>& a, int64_t ng, GroupScratch<acc_t>& sc,
                           scalar_t* out) {
   const int64_t m = a.m, D = a.D, HD = a.H * a.D;
   fill(sc.out, ng * D, acc_t(0));
-  gemm_acc(sc.t, m, a.proj, D, sc.out, D, ng, m, D);
+  mm_acc(sc.t, m, a.proj, D, sc.out, D, ng, m, D);
   for (int64_t r = 0; r < ng; ++r) {
-    acc_t dw_sum = 0;
-    for (int64_t f = 0; f < m; ++f) dw_sum += sc.t[r * m + f];
-    const acc_t c2 = 2 * a.half_c2 * dw_sum;
-    for (int64_t d = 0; d < D; ++d) {
-      out[r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d] - c2 * sc.x[r * D + d]);
-    }
+    const acc_t c2 = 2 * a.half_c2 * sum_of(sc.t + r * m, m);
+    const acc_t* xr = sc.xr + r * sc.ldx;
+    for (int64_t d = 0; d < D; ++d) out[r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d] - c2 * xr[d]);
   }
 }
 
@@ -209,21 +216,18 @@ NT_INLINE void query_backward(const PerformerArgs<scalar_t>& a, int64_t row0, in
   for (int64_t g0 = 0; g0 < nr; g0 += PERFORMER_GROUP) {
     const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
     const int64_t off = row0 * D + g0 * HD;
+    prefetch_rows(a.q + off, HD, PERFORMER_GROUP, 2 * PERFORMER_GROUP, nr - g0, D);
+    prefetch_rows(a.grad_o + off, HD, PERFORMER_GROUP, 2 * PERFORMER_GROUP, nr - g0, D);
     query_features(a, a.q + off, ng, sc);
-    load_rows(a.grad_o + off, HD, ng, D, sc.g);
+    sc.gr = view_rows(a.grad_o + off, HD, ng, D, sc.g, sc.ldg);
     fill(sc.t, ng * m, acc_t(0));
-    gemm_acc(sc.g, D, sc.st, m, sc.t, m, ng, D, m);  // S g per row
+    mm_acc(sc.gr, sc.ldg, sc.st, m, sc.t, m, ng, D, m);  // S g per row
     for (int64_t r = 0; r < ng; ++r) {
       acc_t* phi = sc.phi + r * m;
       acc_t* sg = sc.t + r * m;
       const acc_t* e = sc.e + r * m;
-      acc_t den = 0, g_num = 0;
-      for (int64_t f = 0; f < m; ++f) {
-        den += phi[f] * z[f];
-        g_num += phi[f] * sg[f];
-      }
-      const acc_t inv_den = acc_t(1) / den;
-      const acc_t g_o = g_num * inv_den;
+      const acc_t inv_den = acc_t(1) / dot_of(phi, z, m);
+      const acc_t g_o = dot_of(phi, sg, m) * inv_den;
       const acc_t dw_scale = inv_den * a.feat_scale;
       for (int64_t f = 0; f < m; ++f) {
         phi[f] *= inv_den;  // phi / den: the weight of g in dS
@@ -231,7 +235,7 @@ NT_INLINE void query_backward(const PerformerArgs<scalar_t>& a, int64_t row0, in
         sg[f] = (sg[f] - z[f] * g_o) * dw_scale * e[f];  // dw
       }
     }
-    gemm_acc<true>(sc.phi, m, sc.g, D, ds, D, m, ng, D);  // dS[f][:] += sum_r phi[r][f] / den_r g_r
+    mm_acc<true>(sc.phi, m, sc.gr, sc.ldg, ds, D, m, ng, D);  // dS[f][:] += sum_r phi[r][f] / den_r g_r
     input_grad(a, ng, sc, a.dq + off);
   }
 }
@@ -250,16 +254,16 @@ NT_INLINE void key_backward(const PerformerArgs<scalar_t>& a, int64_t row0, int6
     const int64_t ng = std::min<int64_t>(PERFORMER_GROUP, nr - g0);
     const int64_t off = row0 * D + g0 * HD;
     const acc_t* e = ew + g0 * m;
-    load_rows(a.v + off, HD, ng, D, sc.g);
-    load_rows(a.k + off, HD, ng, D, sc.x);
+    sc.gr = view_rows(a.v + off, HD, ng, D, sc.g, sc.ldg);
+    sc.xr = view_rows(a.k + off, HD, ng, D, sc.x, sc.ldx);
     const acc_t fs = a.feat_scale, eps = a.eps;
     for (int64_t r = 0; r < ng; ++r) {
       for (int64_t f = 0; f < m; ++f) sc.t[r * m + f] = dz[f];
     }
     for (int64_t i = 0; i < ng * m; ++i) sc.phi[i] = fs * (e[i] + eps);
-    gemm_acc(sc.g, D, sc.st, m, sc.t, m, ng, D, m);  // dphi = dS v + dz
+    mm_acc(sc.gr, sc.ldg, sc.st, m, sc.t, m, ng, D, m);  // dphi = dS v + dz
     fill(sc.out, ng * D, acc_t(0));
-    gemm_acc(sc.phi, m, ds, D, sc.out, D, ng, m, D);  // dv = dS^T phi
+    mm_acc(sc.phi, m, ds, D, sc.out, D, ng, m, D);  // dv = dS^T phi
     for (int64_t r = 0; r < ng; ++r) {
       for (int64_t d = 0; d < D; ++d) a.dv[off + r * HD + d] = static_cast<scalar_t>(sc.out[r * D + d]);
     }

@@ -30,6 +30,11 @@
 #include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "cpu/gemm_avx2.h"
+#pragma GCC pop_options
+
 namespace nt_kernels::cpu {
 
 // Rows per block of a long segment, and the largest segment done as one item.
@@ -75,12 +80,16 @@ struct PerformerKernels {
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#define NT_CPU_AVX2 1
 #include "cpu/segment_performer_impl.h"
+#undef NT_CPU_AVX2
 #pragma GCC pop_options
 }  // namespace isa_avx2
 
 namespace isa_base {
+#define NT_CPU_AVX2 0
 #include "cpu/segment_performer_impl.h"
+#undef NT_CPU_AVX2
 }  // namespace isa_base
 
 template <typename scalar_t>

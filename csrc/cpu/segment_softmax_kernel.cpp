@@ -26,17 +26,26 @@
 // as exp_f32's range clamps and the max reductions.
 #pragma GCC optimize("no-trapping-math")
 #include "cpu/simd_math.h"
+#include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "cpu/gemm_avx2.h"
+#pragma GCC pop_options
 
 namespace nt_kernels::cpu {
 
 // Keys (forward, pass A) or queries (pass B) per transposed block in scratch.
 constexpr int64_t SOFTMAX_BLOCK = 128;
-// Rows per run that share one transposed block.
-constexpr int64_t SOFTMAX_CHUNK = 16;
+// Rows per chunk of a run: the row count of the small GEMMs, which share one
+// transposed block.
+constexpr int64_t SOFTMAX_CHUNK = 32;
 
+// The largest of the three kernels' scratch layouts (pass B's).
 inline int64_t softmax_scratch_size(int64_t D) {
-  return 2 * D * SOFTMAX_BLOCK + 4 * SOFTMAX_BLOCK + 2 * SOFTMAX_CHUNK * (D + 1);
+  return 4 * D * SOFTMAX_BLOCK + 4 * SOFTMAX_CHUNK * D + 2 * SOFTMAX_CHUNK * SOFTMAX_BLOCK +
+         2 * SOFTMAX_BLOCK + 3 * SOFTMAX_CHUNK;
 }
 
 template <typename scalar_t>
@@ -63,12 +72,16 @@ struct SoftmaxArgs {
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#define NT_CPU_AVX2 1
 #include "cpu/segment_softmax_impl.h"
+#undef NT_CPU_AVX2
 #pragma GCC pop_options
 }  // namespace isa_avx2
 
 namespace isa_base {
+#define NT_CPU_AVX2 0
 #include "cpu/segment_softmax_impl.h"
+#undef NT_CPU_AVX2
 }  // namespace isa_base
 
 template <typename scalar_t>

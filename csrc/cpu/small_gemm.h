@@ -93,4 +93,62 @@ NT_INLINE T max_of(const T* x, int64_t n, T init) {
   return result;
 }
 
+// Lane-parallel sum of x[i] * y[i] (fixed order for a given n).
+template <typename T>
+NT_INLINE T dot_of(const T* x, const T* y, int64_t n) {
+  constexpr int LANES = 8;
+  T lanes[LANES] = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; ++l) lanes[l] += x[i + l] * y[i + l];
+  }
+  for (; i < n; ++i) lanes[0] += x[i] * y[i];
+  T result = 0;
+  for (int l = 0; l < LANES; ++l) result += lanes[l];
+  return result;
+}
+
+// Lane-parallel sum of x[i] (fixed order for a given n).
+template <typename T>
+NT_INLINE T sum_of(const T* x, int64_t n) {
+  constexpr int LANES = 8;
+  T lanes[LANES] = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    for (int l = 0; l < LANES; ++l) lanes[l] += x[i + l];
+  }
+  for (; i < n; ++i) lanes[0] += x[i];
+  T result = 0;
+  for (int l = 0; l < LANES; ++l) result += lanes[l];
+  return result;
+}
+
+// rows x D elements of x (row stride `stride`) into out (rows x D) as acc_t.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void load_rows(const scalar_t* x, int64_t stride, int64_t rows, int64_t D, acc_t* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = to_acc(x[r * stride + d]);
+  }
+}
+
+// ng rows of x (row stride `stride`) as acc_t: x itself when it is acc_t (ld
+// = stride), else a converted copy in buf (ld = D).
+template <typename scalar_t, typename acc_t>
+NT_INLINE const acc_t* view_rows(const scalar_t* x, int64_t stride, int64_t rows, int64_t D, acc_t* buf,
+                                 int64_t& ld) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    ld = stride;
+    return x;
+  } else {
+    load_rows(x, stride, rows, D, buf);
+    ld = D;
+    return buf;
+  }
+}
+
+template <typename acc_t>
+NT_INLINE void fill(acc_t* x, int64_t n, acc_t value) {
+  for (int64_t i = 0; i < n; ++i) x[i] = value;
+}
+
 }  // namespace nt_kernels::cpu
