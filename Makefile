@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := build/.installed-$(shell $(PYTHON) -c "import sys; print(sys.implementation.cache_tag)")
 SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
 
-.PHONY: install demo test bench cuda-check clean
+.PHONY: install demo test bench cuda-check triton-check clean
 
 install: $(STAMP)
 
@@ -28,6 +28,14 @@ bench: $(STAMP)
 # syntax-check the torch bindings; fails on a compile error or a register spill.
 cuda-check:
 	bash scripts/cuda_check.sh
+
+# Compile every Triton kernel with every autotuning config for sm_90 (no GPU
+# needed); fails on a compile error or when no config of a setting fits the
+# shared memory or avoids spills.  TRITON_CHECK_ARGS narrows it (CI: the
+# largest head dim only); see scripts/triton_check.py --help.
+TRITON_CHECK_ARGS ?=
+triton-check: $(STAMP)
+	env -u TRITON_INTERPRET $(PYTHON) scripts/triton_check.py $(TRITON_CHECK_ARGS)
 
 clean:
 	rm -rf build

@@ -136,3 +136,25 @@ def test_bad_dtype_and_dim_are_rejected():
     with pytest.raises(RuntimeError, match="head dim must be in 1..256"):
         kernel_fwd_bwd(*cast(make_case([3], 257, torch.float64, m=4), torch.float32))
 
+
+
+def test_opcheck_on_cuda():
+    q, k, v, rowptr, projection, _ = cast(make_case(SMALL_SIZES, 9, torch.float64), torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    none = torch.empty(0, dtype=torch.long, device=q.device)
+    segments = torch.arange(rowptr.numel() - 1, device=q.device)
+    torch.library.opcheck(torch.ops.nt_kernels.attention_fwd.default,
+                          (q, k, v, rowptr, none, segments, None, projection, 9 ** -0.5, EPS))
+
+
+def test_torch_compile_fullgraph_on_cuda():
+    from nt_kernels import segment_performer_attention
+
+    q, k, v, rowptr, projection, grad_o = cast(make_case(SMALL_SIZES, 9, torch.float64), torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    compiled = torch.compile(lambda q, k, v: segment_performer_attention(q, k, v, rowptr, projection),
+                             fullgraph=True)
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, segment_performer_attention(q, k, v, rowptr, projection))
+    out.backward(grad_o)
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
