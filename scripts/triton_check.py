@@ -5,14 +5,17 @@ target GPU (default sm_90, the H100 / H200) through Triton's own pipeline
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas), for each
 dtype and padded head dim asked for, and prints per kernel and setting:
 how many configs compiled, how many fit the target's shared memory per block,
-how many of those have no register spills, the smallest shared memory among
-the configs that fit and the fewest registers among the spill-free ones.  Spills
-and registers come from ``ptxas -v`` on the PTX, run with the ptxas Triton
-uses for that architecture.  Written against Triton 3.9's compiler API.
+with ``--spills`` how many of those have no register spills, the smallest
+shared memory among the configs that fit and (with ``--spills``) the fewest
+registers among the spill-free ones.  Spills and registers come from
+``ptxas -v`` on the PTX, run with the ptxas Triton uses for that
+architecture.  Written against Triton 3.9's compiler API.  Large head dims
+are slow to compile (ptxas takes 20-30 s per BLOCK_D = 256 kernel on one
+core of the development CPU).
 
 A setting fails the check when no config fits the shared-memory limit (the
-autotuner could launch none), when a compile fails, or when every config that
-fits spills.  Exit status 1 on failure.
+autotuner could launch none), when a compile fails, or (with ``--spills``)
+when every config that fits spills.  Exit status 1 on failure.
 
     python scripts/triton_check.py                     # sm_90, fp32 + bf16, BLOCK_D 16..256
     python scripts/triton_check.py --arch 80 --dtypes fp32 --block-d 256
@@ -89,7 +92,7 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
 
 def compile_one(job):
     """Compiles one (kernel, dtype, BLOCK_D, launch constexprs, config); returns a result row."""
-    name, dtype, block_d, extra, cfg_index, arch = job
+    name, dtype, block_d, extra, cfg_index, arch, spills_too = job
     kernel, pointers, scalars = KERNELS[name]
     config = kernel.configs[cfg_index]
     fn = kernel.fn
@@ -107,7 +110,7 @@ def compile_one(job):
         compiled = triton.compile(ASTSource(fn, signature, constexprs),
                                   target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-        regs, spills = ptxas_report(compiled.asm["ptx"], arch)
+        regs, spills = ptxas_report(compiled.asm["ptx"], arch) if spills_too else (0, 0)
         return name, dtype, block_d, str(extra), cfg_index, compiled.metadata.shared, regs, spills, ""
     except Exception as exc:  # a compile failure is a check failure, reported with its message
         return name, dtype, block_d, str(extra), cfg_index, None, 0, 0, f"{type(exc).__name__}: {exc}"[:200]
@@ -120,16 +123,22 @@ def main() -> int:
     parser.add_argument("--block-d", default="16,32,64,128,256", help="padded head dims (powers of two >= 16)")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--spills", action="store_true",
+                        help="also run ptxas -v on each kernel for registers and spills (doubles the time)")
     args = parser.parse_args()
     limit = SHARED_LIMIT[args.arch]
-    jobs = [(name, dtype, int(bd), extra, i, args.arch)
+    jobs = [(name, dtype, int(bd), extra, i, args.arch, args.spills)
             for name in args.kernels.split(",")
             for dtype in args.dtypes.split(",")
             for bd in args.block_d.split(",")
             for extra in launch_constexprs(name)
             for i in range(len(KERNELS[name][0].configs))]
+    rows = []
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(compile_one, jobs))
+        for row in pool.map(compile_one, jobs):
+            rows.append(row)
+            print(f"  {row[0]} {row[1]} BLOCK_D={row[2]} {row[3]} config {row[4]}: "
+                  f"{'error' if row[5] is None else f'{row[5]} B shared'}", flush=True)
     groups: dict[tuple, list] = {}
     for row in rows:
         groups.setdefault(row[:4], []).append(row)
@@ -140,12 +149,12 @@ def main() -> int:
     for key, group in groups.items():
         errors = [r for r in group if r[5] is None]
         fit = [r for r in group if r[5] is not None and r[5] <= limit]
-        clean = [r for r in fit if r[7] == 0]
+        clean = [r for r in fit if r[7] == 0]  # without --spills every fitting config counts
         bad = bool(errors) or not fit or not clean
         failed |= bad
         print(f"{key[0]:<11} {key[1]:<5} {key[2]:>7} {key[3]:<26} {len(group) - len(errors):>4}/{len(group):<3} "
-              f"{len(fit):>4} {len(clean):>8} {min((r[5] for r in fit), default=0):>9} "
-              f"{min((r[6] for r in clean), default=0):>5}{'  FAIL' if bad else ''}")
+              f"{len(fit):>4} {len(clean) if args.spills else '-':>8} {min((r[5] for r in fit), default=0):>9} "
+              f"{min((r[6] for r in clean), default=0) if args.spills else '-':>5}{'  FAIL' if bad else ''}")
         for r in errors:
             print(f"    config {r[4]}: {r[8]}")
     print("triton-check:", "FAILED" if failed else "OK")
