@@ -34,17 +34,19 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("triton_check: unset TRITON_INTERPRET (the check compiles for a GPU)")
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the runtime default; silences Triton 3.9's notice
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia import compiler as nvidia_compiler  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nt_kernels.triton import softmax_bwd, softmax_fwd  # noqa: E402
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS  # noqa: E402
+from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile  # noqa: E402
 
 # Shared memory per block (opt-in maximum) by compute capability, bytes.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # kernel -> (pointer args, scalar args with types, fixed constexprs besides BLOCK_D / DOT_PREC / BF16_EMU)
 KERNELS = {
@@ -66,10 +68,12 @@ KERNELS = {
 }
 
 
-def launch_constexprs(name: str) -> list[dict]:
-    """The constexprs the launcher passes besides the config's (one dict per launch)."""
+def launch_constexprs(name: str, dtype: str, block_d: int) -> list[dict]:
+    """The constexprs the launcher passes besides the config's (one dict per launch);
+    like the launchers, packed classes taller than max_packed_tile are left out."""
     if name.endswith("packed"):
-        return [{"CLASS": c, "TILE": t} for c, t in enumerate(TILE_HEIGHTS)]
+        top = max_packed_tile(TORCH_DTYPES[dtype], block_d)
+        return [{"CLASS": c, "TILE": t} for c, t in enumerate(TILE_HEIGHTS) if t <= top]
     if name == "bwd_dkdv":
         return [{"BLOCK_N": PLAN_BLOCK}]
     return [{"BLOCK_M": PLAN_BLOCK}]
@@ -131,7 +135,7 @@ def main() -> int:
             for name in args.kernels.split(",")
             for dtype in args.dtypes.split(",")
             for bd in args.block_d.split(",")
-            for extra in launch_constexprs(name)
+            for extra in launch_constexprs(name, dtype, int(bd))
             for i in range(len(KERNELS[name][0].configs))]
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:

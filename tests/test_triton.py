@@ -69,16 +69,16 @@ def run_public(q, k, v, rowptr, grad_o, scale=None):
 
 # ---------------------------------------------------------------- plan builder
 
-def check_plan(sizes, segments):
+def check_plan(sizes, segments, max_tile=PLAN_BLOCK):
     rowptr = make_rowptr(sizes)
     seg_t = torch.tensor(segments, dtype=torch.int64, device=DEVICE)
-    plan = build_plan(rowptr, seg_t, int(rowptr[-1]))
+    plan = build_plan(rowptr, seg_t, int(rowptr[-1]), max_tile=max_tile)
     desc = describe_plan(plan)
     starts = rowptr.tolist()
     seg_of_start = {starts[s]: s for s in segments if sizes[s] > 0}
     covered = []
     for height, n, tile_starts in desc["packed"]:
-        assert 1 <= n <= PLAN_BLOCK and len(tile_starts) * n <= height
+        assert 1 <= n <= max_tile and height <= max_tile and len(tile_starts) * n <= height
         for start in tile_starts:
             seg = seg_of_start[start]
             assert sizes[seg] == n, "a packed tile holds a whole segment"
@@ -86,7 +86,7 @@ def check_plan(sizes, segments):
     blocks = {}
     for start, n, block in desc["multi"]:
         seg = seg_of_start[start]
-        assert sizes[seg] == n > PLAN_BLOCK, "only segments larger than a tile are split"
+        assert sizes[seg] == n > max_tile, "only segments larger than the tallest tile go multi-tile"
         blocks.setdefault(seg, []).append(block)
         first = start + block * PLAN_BLOCK
         covered += range(first, min(start + n, first + PLAN_BLOCK))
@@ -116,6 +116,24 @@ def test_plan_random_sizes():
     check_plan(sizes, subset)
     desc = check_plan(sizes, list(range(300)))
     assert max(len(s) for _, _, s in desc["packed"]) >= 5
+
+
+@pytest.mark.parametrize("max_tile", [16, 32])
+def test_plan_capped_tile_height(max_tile):
+    """Capped plans (float32 with head dims > 128 use 32) send larger segments to multi-tile items."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(0, 80, (200,), generator=gen).tolist() + [max_tile, max_tile + 1, PLAN_BLOCK]
+    desc = check_plan(sizes, list(range(len(sizes))), max_tile=max_tile)
+    assert max(h for h, _, _ in desc["packed"]) == max_tile
+    assert {n for _, n, _ in desc["multi"]} >= {max_tile + 1, PLAN_BLOCK}
+
+
+def test_max_packed_tile():
+    assert ntt.max_packed_tile(torch.float32, 128) == PLAN_BLOCK
+    assert ntt.max_packed_tile(torch.float32, 129) == 32
+    assert ntt.max_packed_tile(torch.bfloat16, 256) == PLAN_BLOCK
+    with pytest.raises(ValueError, match="max_tile must be one of"):
+        build_plan(make_rowptr([3]), torch.arange(1, device=DEVICE), max_tile=48)
 
 
 def test_plan_empty():
@@ -185,13 +203,13 @@ def into_ops():
     return ntt.softmax_fwd_into, ntt.softmax_bwd_into
 
 
-@pytest.mark.parametrize("prebuilt", [False, True])
+@pytest.mark.parametrize("prebuilt", [None, PLAN_BLOCK, 32], ids=["built-by-op", "prebuilt", "prebuilt-max-tile-32"])
 def test_into_ops_touch_only_given_segments(prebuilt):
     sizes = MIXED_SIZES
     rowptr = make_rowptr(sizes)
     num_rows, scale = int(rowptr[-1]), 0.4
-    segments = torch.tensor([15, 3, 0, 8, 11, 6], device=DEVICE)  # unsorted, incl. empty
-    plan = build_plan(rowptr, segments, num_rows) if prebuilt else None
+    segments = torch.tensor([15, 3, 0, 8, 12, 11, 6], device=DEVICE)  # unsorted, incl. empty and 64 rows
+    plan = None if prebuilt is None else build_plan(rowptr, segments, num_rows, max_tile=prebuilt)
     q, k, v = make_qkv(num_rows, 2, 11, torch.float32, seed=11)
     grad_o = make_qkv(num_rows, 2, 11, torch.float32, seed=12)[0]
     fwd_into, bwd_into = into_ops()

@@ -7,13 +7,14 @@ set ``TRITON_INTERPRET=1`` before triton is first imported to run the kernels
 on CPU tensors.
 """
 from nt_kernels.triton.ops import segment_softmax, softmax_bwd_into, softmax_fwd_into
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, build_plan, describe_plan
+from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, build_plan, describe_plan, max_packed_tile
 
 __all__ = [
     "PLAN_BLOCK",
     "TILE_HEIGHTS",
     "build_plan",
     "describe_plan",
+    "max_packed_tile",
     "segment_softmax",
     "softmax_bwd_into",
     "softmax_fwd_into",

@@ -16,22 +16,24 @@ import torch
 from torch.library import register_autograd, register_kernel, triton_op, wrap_triton
 
 import nt_kernels  # noqa: F401  (defines the nt_kernels::* schemas)
-from nt_kernels.triton.schedule import build_plan
+from nt_kernels.triton.schedule import build_plan, max_packed_tile
 from nt_kernels.triton.softmax_bwd import softmax_bwd
 from nt_kernels.triton.softmax_fwd import default_scale, softmax_fwd
 
 __all__ = ["segment_softmax", "softmax_bwd_into", "softmax_fwd_into"]
 
 
-def _plan(plan, rowptr, segments, num_rows):
-    return build_plan(rowptr, segments, num_rows) if plan is None else plan
+def _plan(plan, rowptr, segments, q):
+    if plan is not None:
+        return plan
+    return build_plan(rowptr, segments, q.shape[0], max_packed_tile(q.dtype, q.shape[2]))
 
 
 def softmax_fwd_into(o, lse, q, k, v, rowptr, segments, plan, scale) -> None:
     """Triton implementation of ``nt_kernels::softmax_fwd_into`` (registered for CUDA)."""
     if segments.numel() == 0 or q.shape[0] == 0:
         return
-    plan = _plan(plan, rowptr, segments, q.shape[0])
+    plan = _plan(plan, rowptr, segments, q)
     softmax_fwd(o, lse, q, k, v, plan, scale, torch.backends.cuda.matmul.allow_tf32)
 
 
@@ -39,7 +41,7 @@ def softmax_bwd_into(dq, dk, dv, grad_o, q, k, v, o, lse, rowptr, segments, plan
     """Triton implementation of ``nt_kernels::softmax_bwd_into`` (registered for CUDA)."""
     if segments.numel() == 0 or q.shape[0] == 0:
         return
-    plan = _plan(plan, rowptr, segments, q.shape[0])
+    plan = _plan(plan, rowptr, segments, q)
     softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale,
                 torch.backends.cuda.matmul.allow_tf32)
 
@@ -48,9 +50,9 @@ register_kernel("nt_kernels::softmax_fwd_into", "cuda", softmax_fwd_into)
 register_kernel("nt_kernels::softmax_bwd_into", "cuda", softmax_bwd_into)
 
 
-def _all_segments_plan(rowptr: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _all_segments_plan(rowptr: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     segments = torch.arange(rowptr.shape[0] - 1, device=rowptr.device)
-    return build_plan(rowptr, segments, num_rows)
+    return build_plan(rowptr, segments, q.shape[0], max_packed_tile(q.dtype, q.shape[2]))
 
 
 @triton_op("nt_kernels::triton_segment_softmax", mutates_args=())
@@ -61,7 +63,7 @@ def _triton_segment_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     if q.shape[0] > 0:
-        plan = _all_segments_plan(rowptr, q.shape[0])
+        plan = _all_segments_plan(rowptr, q)
         softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32, wrap=wrap_triton)
     return o, lse
 
@@ -73,7 +75,7 @@ def _triton_segment_softmax_backward(
         allow_tf32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.shape[0] > 0:
-        plan = _all_segments_plan(rowptr, q.shape[0])
+        plan = _all_segments_plan(rowptr, q)
         softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32,
                     wrap=wrap_triton)
     return dq, dk, dv

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS
+from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile
 from nt_kernels.triton.softmax_fwd import (
     H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, block_d, configs, dot_precision,
     cast, finite_or_zero, load_rows, mm, nonfinite_rows, num_programs, packed_rows, segment_any,
@@ -170,6 +170,9 @@ def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=Fal
                 wrap=lambda kernel: kernel):
     """Write dq, dk, dv (E, H, D) for the rows named in ``plan``.
 
+    ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D)`` (the
+    packed classes above it are not launched).
+
     ``wrap`` is ``torch.library.wrap_triton`` when called from a triton_op.
     """
     E, H, D = q.shape
@@ -178,6 +181,8 @@ def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=Fal
     meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
                 BF16_EMU=bf16_emulation(q.dtype))
     for c, tile in enumerate(TILE_HEIGHTS):
+        if tile > max_packed_tile(q.dtype, D):  # the plan has no tiles of this class
+            continue
         wrap(_bwd_packed_kernel)[grid](q, k, v, grad_o, lse, dq, dk, dv, plan, H, D,
                                        scale, scale * LOG2E, CLASS=c, TILE=tile, **meta)
     # Multi-tile segments: dQ pass (writes delta), then the dK/dV pass.

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from nt_kernels.triton import schedule
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS
+from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -212,6 +212,9 @@ def _fwd_multi_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
 def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, wrap=lambda kernel: kernel):
     """Write o (E, H, D) and lse (E, H) float32 for the rows named in ``plan``.
 
+    ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D)`` (the
+    packed classes above it are not launched).
+
     ``wrap`` is ``torch.library.wrap_triton`` when called from a triton_op.
     """
     _, H, D = q.shape
@@ -220,6 +223,8 @@ def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, wrap=lambda kern
     meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
                 BF16_EMU=bf16_emulation(q.dtype))
     for c, tile in enumerate(TILE_HEIGHTS):
+        if tile > max_packed_tile(q.dtype, D):  # the plan has no tiles of this class
+            continue
         wrap(_fwd_packed_kernel)[grid](*args, CLASS=c, TILE=tile, **meta)
     wrap(_fwd_multi_kernel)[grid](*args, BLOCK_M=PLAN_BLOCK, **meta)
 
