@@ -41,7 +41,7 @@ from triton.backends.nvidia import compiler as nvidia_compiler  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nt_kernels.triton import softmax_bwd, softmax_fwd  # noqa: E402
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile  # noqa: E402
+from nt_kernels.triton.schedule import PLAN_BLOCK  # noqa: E402
 
 # Shared memory per block (opt-in maximum) by compute capability, bytes.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -72,8 +72,8 @@ def launch_constexprs(name: str, dtype: str, block_d: int) -> list[dict]:
     """The constexprs the launcher passes besides the config's (one dict per launch);
     like the launchers, packed classes taller than max_packed_tile are left out."""
     if name.endswith("packed"):
-        top = max_packed_tile(TORCH_DTYPES[dtype], block_d)
-        return [{"CLASS": c, "TILE": t} for c, t in enumerate(TILE_HEIGHTS) if t <= top]
+        classes = softmax_fwd.packed_classes(TORCH_DTYPES[dtype], block_d)
+        return [{"CLASS": c, "TILE": t} for c, t in classes]
     if name == "bwd_dkdv":
         return [{"BLOCK_N": PLAN_BLOCK}]
     return [{"BLOCK_M": PLAN_BLOCK}]

@@ -1,7 +1,7 @@
 // C += A B for float32 with AVX2 + FMA intrinsics (rows x K times K x N).
 //
-// Included only inside a `#pragma GCC target("avx2,fma")` region (the AVX2
-// namespace of a kernel file).  The float32 counterpart of small_gemm.h's
+// Compiled for AVX2 + FMA (its own target pragma below) and only called from
+// a kernel file's AVX2 namespace.  The float32 counterpart of small_gemm.h's
 // gemm_acc for any N: columns are walked in panels of up to PANEL_VECS
 // 8-float vectors (the last vector masked when N is not a multiple of 8), and
 // a tile of ROWS rows x the panel stays in registers while K is walked; every
@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
 namespace nt_kernels::cpu::avx2 {
 
 constexpr int LANES = 8;       // floats per vector
@@ -121,3 +123,4 @@ inline void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, f
 }
 
 }  // namespace nt_kernels::cpu::avx2
+#pragma GCC pop_options

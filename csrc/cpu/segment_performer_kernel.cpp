@@ -26,14 +26,10 @@
 // will not if-convert (and so not vectorise) loops with float compares, such
 // as exp_f32's range clamps and the max reductions.
 #pragma GCC optimize("no-trapping-math")
+#include "cpu/gemm_avx2.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#include "cpu/gemm_avx2.h"
-#pragma GCC pop_options
 
 namespace nt_kernels::cpu {
 

@@ -40,6 +40,17 @@ NT_INLINE void load_scaled_rows(const scalar_t* x, int64_t stride, int64_t rows,
   }
 }
 
+// out (rows x nb) = x (rows x D, row stride ldx) times the block's rows
+// [src, src + nb) of one head (row stride HD) scaled by `mul` and transposed
+// into t (D x nb) first.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void block_products(const acc_t* x, int64_t ldx, int64_t rows, const scalar_t* src,
+                              int64_t HD, int64_t nb, int64_t D, acc_t mul, acc_t* t, acc_t* out) {
+  load_transposed(src, HD, nb, D, mul, t);
+  fill(out, rows * nb, acc_t(0));
+  mm_acc(x, ldx, t, nb, out, nb, rows, D, nb);
+}
+
 // Forward: online softmax over key blocks for each chunk of query rows.
 template <typename scalar_t>
 void softmax_fwd_run(const SoftmaxArgs<scalar_t>& a, int64_t start, int64_t n, int64_t r0,
@@ -64,9 +75,7 @@ void softmax_fwd_run(const SoftmaxArgs<scalar_t>& a, int64_t start, int64_t n, i
         const int64_t nk = std::min<int64_t>(SOFTMAX_BLOCK, n - kb);
         const int64_t key0 = (start + kb) * H + h;
         // 1. scaled scores of the chunk against the block: s = qs K^T.
-        load_transposed(a.k + key0 * D, HD, nk, D, acc_t(1), kt);
-        fill(s, nc * nk, acc_t(0));
-        mm_acc(qs, D, kt, nk, s, nk, nc, D, nk);
+        block_products(qs, D, nc, a.k + key0 * D, HD, nk, D, acc_t(1), kt, s);
         for (int64_t i = 0; i < nc; ++i) {
           acc_t* si = s + i * nk;
           // 2. new running max; rescale the old sum and output by exp(old - new).
@@ -134,9 +143,7 @@ void softmax_bwd_query_run(const SoftmaxArgs<scalar_t>& a, int64_t start, int64_
         fill(corr, nc, acc_t(0));
         for (int64_t kb = 0; kb < n; kb += SOFTMAX_BLOCK) {
           const int64_t nk = std::min<int64_t>(SOFTMAX_BLOCK, n - kb);
-          load_transposed(a.k + ((start + kb) * H + h) * D, HD, nk, D, acc_t(1), kt);
-          fill(s, nc * nk, acc_t(0));
-          mm_acc(qs, D, kt, nk, s, nk, nc, D, nk);
+          block_products(qs, D, nc, a.k + ((start + kb) * H + h) * D, HD, nk, D, acc_t(1), kt, s);
           for (int64_t i = 0; i < nc; ++i) {
             for (int64_t j = 0; j < nk; ++j) corr[i] += exp_acc(s[i * nk + j] - lse[i]);
           }
@@ -147,12 +154,8 @@ void softmax_bwd_query_run(const SoftmaxArgs<scalar_t>& a, int64_t start, int64_
       for (int64_t kb = 0; kb < n; kb += SOFTMAX_BLOCK) {
         const int64_t nk = std::min<int64_t>(SOFTMAX_BLOCK, n - kb);
         const int64_t key0 = (start + kb) * H + h;
-        load_transposed(a.k + key0 * D, HD, nk, D, acc_t(1), kt);
-        load_transposed(a.v + key0 * D, HD, nk, D, acc_t(1), vt);
-        fill(s, nc * nk, acc_t(0));
-        mm_acc(qs, D, kt, nk, s, nk, nc, D, nk);
-        fill(dp, nc * nk, acc_t(0));
-        mm_acc(g, ldg, vt, nk, dp, nk, nc, D, nk);
+        block_products(qs, D, nc, a.k + key0 * D, HD, nk, D, acc_t(1), kt, s);
+        block_products(g, ldg, nc, a.v + key0 * D, HD, nk, D, acc_t(1), vt, dp);
         for (int64_t i = 0; i < nc; ++i) {
           acc_t* si = s + i * nk;
           const acc_t* dpi = dp + i * nk;
@@ -205,17 +208,13 @@ void softmax_bwd_key_run(const SoftmaxArgs<scalar_t>& a, int64_t start, int64_t 
         // 1. the query block: scaled q and dO transposed, and its row statistics.
         const int64_t nq = std::min<int64_t>(SOFTMAX_BLOCK, n - qb);
         const int64_t query0 = (start + qb) * H + h;
-        load_transposed(a.q + query0 * D, HD, nq, D, a.scale, qt);
-        load_transposed(a.grad_o + query0 * D, HD, nq, D, acc_t(1), gt);
         for (int64_t i = 0; i < nq; ++i) {
           lse[i] = a.row_lse[query0 + i * H];
           delta[i] = a.row_delta[query0 + i * H];
         }
         // 2. p_ij and dp_ij of the chunk's keys against every query of the block.
-        fill(s, nc * nq, acc_t(0));
-        mm_acc(kc, ldk, qt, nq, s, nq, nc, D, nq);
-        fill(dp, nc * nq, acc_t(0));
-        mm_acc(vc, ldv, gt, nq, dp, nq, nc, D, nq);
+        block_products(kc, ldk, nc, a.q + query0 * D, HD, nq, D, a.scale, qt, s);
+        block_products(vc, ldv, nc, a.grad_o + query0 * D, HD, nq, D, acc_t(1), gt, dp);
         for (int64_t j = 0; j < nc; ++j) {
           acc_t* sj = s + j * nq;
           for (int64_t i = 0; i < nq; ++i) sj[i] = exp_acc(sj[i] - lse[i]);

@@ -25,14 +25,10 @@
 // will not if-convert (and so not vectorise) loops with float compares, such
 // as exp_f32's range clamps and the max reductions.
 #pragma GCC optimize("no-trapping-math")
+#include "cpu/gemm_avx2.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#include "cpu/gemm_avx2.h"
-#pragma GCC pop_options
 
 namespace nt_kernels::cpu {
 
@@ -100,6 +96,26 @@ void run_rows(const RowSplitter& split, const SoftmaxArgs<scalar_t>& args, RunFn
   });
 }
 
+void check_lse(const char* op, const at::Tensor& lse, const at::Tensor& q) {
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                  lse.scalar_type() == at::kFloat && lse.is_contiguous(),
+              op, ": lse must be a contiguous float32 tensor of shape (E, H)");
+}
+
+// The arguments both directions share: inputs, shape and scale.
+template <typename scalar_t>
+SoftmaxArgs<scalar_t> input_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 double scale) {
+  SoftmaxArgs<scalar_t> args;
+  args.q = q.data_ptr<scalar_t>();
+  args.k = k.data_ptr<scalar_t>();
+  args.v = v.data_ptr<scalar_t>();
+  args.H = q.size(1);
+  args.D = q.size(2);
+  args.scale = static_cast<acc_type_t<scalar_t>>(scale);
+  return args;
+}
+
 void softmax_fwd_into_cpu(const at::Tensor& o, const at::Tensor& lse, const at::Tensor& q,
                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& rowptr,
                           const at::Tensor& segments, const std::optional<at::Tensor>& /*plan*/,
@@ -107,20 +123,12 @@ void softmax_fwd_into_cpu(const at::Tensor& o, const at::Tensor& lse, const at::
   constexpr const char* OP = "softmax_fwd_into";
   check_kernel_inputs(OP, q, k, v, rowptr, segments);
   check_kernel_output(OP, "o", o, q);
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
-                  lse.scalar_type() == at::kFloat && lse.is_contiguous(),
-              OP, ": lse must be a contiguous float32 tensor of shape (E, H)");
+  check_lse(OP, lse, q);
   const RowSplitter split(rowptr.data_ptr<int64_t>(), segments.data_ptr<int64_t>(), segments.numel());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), OP, [&] {
-    SoftmaxArgs<scalar_t> args;
-    args.q = q.data_ptr<scalar_t>();
-    args.k = k.data_ptr<scalar_t>();
-    args.v = v.data_ptr<scalar_t>();
+    auto args = input_args<scalar_t>(q, k, v, scale);
     args.out = o.data_ptr<scalar_t>();
     args.lse = lse.data_ptr<float>();
-    args.H = q.size(1);
-    args.D = q.size(2);
-    args.scale = static_cast<acc_type_t<scalar_t>>(scale);
     run_rows(split, args, cpu_has_avx2() ? &isa_avx2::softmax_fwd_run<scalar_t>
                                          : &isa_base::softmax_fwd_run<scalar_t>);
   });
@@ -138,9 +146,7 @@ void softmax_bwd_into_cpu(const at::Tensor& dq, const at::Tensor& dk, const at::
   check_kernel_output(OP, "dv", dv, q);
   check_kernel_output(OP, "grad_o", grad_o, q);
   check_kernel_output(OP, "o", o, q);
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
-                  lse.scalar_type() == at::kFloat && lse.is_contiguous(),
-              OP, ": lse must be a contiguous float32 tensor of shape (E, H)");
+  check_lse(OP, lse, q);
   const RowSplitter split(rowptr.data_ptr<int64_t>(), segments.data_ptr<int64_t>(), segments.numel());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), OP, [&] {
     using acc_t = acc_type_t<scalar_t>;
@@ -148,10 +154,7 @@ void softmax_bwd_into_cpu(const at::Tensor& dq, const at::Tensor& dk, const at::
     // listed segments are never read.
     auto stats = at::empty({2, q.size(0) * q.size(1)},
                            q.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    SoftmaxArgs<scalar_t> args;
-    args.q = q.data_ptr<scalar_t>();
-    args.k = k.data_ptr<scalar_t>();
-    args.v = v.data_ptr<scalar_t>();
+    auto args = input_args<scalar_t>(q, k, v, scale);
     args.o = o.data_ptr<scalar_t>();
     args.grad_o = grad_o.data_ptr<scalar_t>();
     args.lse_in = lse.data_ptr<float>();
@@ -160,9 +163,6 @@ void softmax_bwd_into_cpu(const at::Tensor& dq, const at::Tensor& dk, const at::
     args.dv = dv.data_ptr<scalar_t>();
     args.row_lse = stats.data_ptr<acc_t>();
     args.row_delta = args.row_lse + q.size(0) * q.size(1);
-    args.H = q.size(1);
-    args.D = q.size(2);
-    args.scale = static_cast<acc_t>(scale);
     const bool avx2 = cpu_has_avx2();
     run_rows(split, args, avx2 ? &isa_avx2::softmax_bwd_query_run<scalar_t>
                                : &isa_base::softmax_bwd_query_run<scalar_t>);

@@ -51,8 +51,7 @@ register_kernel("nt_kernels::softmax_bwd_into", "cuda", softmax_bwd_into)
 
 
 def _all_segments_plan(rowptr: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    segments = torch.arange(rowptr.shape[0] - 1, device=rowptr.device)
-    return build_plan(rowptr, segments, q.shape[0], max_packed_tile(q.dtype, q.shape[2]))
+    return _plan(None, rowptr, torch.arange(rowptr.shape[0] - 1, device=rowptr.device), q)
 
 
 @triton_op("nt_kernels::triton_segment_softmax", mutates_args=())

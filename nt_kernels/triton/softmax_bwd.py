@@ -21,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile
+from nt_kernels.triton.schedule import PLAN_BLOCK
 from nt_kernels.triton.softmax_fwd import (
     H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, block_d, configs, dot_precision,
-    cast, finite_or_zero, load_rows, mm, nonfinite_rows, num_programs, packed_rows, segment_any,
+    cast, finite_or_zero, load_rows, mm, nonfinite_rows, num_programs, packed_classes, packed_rows,
+    segment_any,
     bf16_emulation,
 )
 
@@ -180,9 +181,7 @@ def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=Fal
     scale = float(scale)
     meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
                 BF16_EMU=bf16_emulation(q.dtype))
-    for c, tile in enumerate(TILE_HEIGHTS):
-        if tile > max_packed_tile(q.dtype, D):  # the plan has no tiles of this class
-            continue
+    for c, tile in packed_classes(q.dtype, D):
         wrap(_bwd_packed_kernel)[grid](q, k, v, grad_o, lse, dq, dk, dv, plan, H, D,
                                        scale, scale * LOG2E, CLASS=c, TILE=tile, **meta)
     # Multi-tile segments: dQ pass (writes delta), then the dK/dV pass.

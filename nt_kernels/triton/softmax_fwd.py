@@ -68,6 +68,12 @@ def bf16_emulation(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype == torch.bfloat16
 
 
+def packed_classes(dtype: torch.dtype, d: int) -> list[tuple[int, int]]:
+    """(class, tile height) of the packed classes a plan for this dtype and
+    head dim can hold (``max_packed_tile``); the launchers run only these."""
+    return [(c, t) for c, t in enumerate(TILE_HEIGHTS) if t <= max_packed_tile(dtype, d)]
+
+
 def block_d(d: int) -> int:
     """Head dim padded (in registers only) to a power of two >= 16."""
     return max(16, triton.next_power_of_2(d))
@@ -222,9 +228,7 @@ def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, wrap=lambda kern
     args = (q, k, v, o, lse, plan, H, D, float(scale) * LOG2E)
     meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
                 BF16_EMU=bf16_emulation(q.dtype))
-    for c, tile in enumerate(TILE_HEIGHTS):
-        if tile > max_packed_tile(q.dtype, D):  # the plan has no tiles of this class
-            continue
+    for c, tile in packed_classes(q.dtype, D):
         wrap(_fwd_packed_kernel)[grid](*args, CLASS=c, TILE=tile, **meta)
     wrap(_fwd_multi_kernel)[grid](*args, BLOCK_M=PLAN_BLOCK, **meta)
 
