@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nt_reference.dropout import counter_dropout_mask
 from nt_reference.ops import default_threshold, neighbourhood_attention
 
-__all__ = ["DirNT", "NT", "NTConv", "aggregate_dense"]
+__all__ = ["DirNT", "NT", "NTConv", "aggregate_dense", "ntconv_messages"]
 
 GATED = ("weighted_mean", "gated_sum")
 
@@ -90,7 +91,9 @@ class NTConv(nn.Module):
             self.threshold = 0.0 if attention == "performer" else (
                 default_threshold(m, d) if threshold is None else threshold)
 
-    def forward(self, x, edge_index, edge_attr=None):
+    def forward(self, x, edge_index, edge_attr=None, *, dropout_seed=None):
+        """``dropout_seed``: draw the dropout mask from the fused layer's counter generator
+        (nt_reference.dropout) with this seed instead of ``F.dropout``."""
         centre, receiver = edge_index[0], edge_index[1]
         weights = [self.lin_centre.weight, self.lin_receiver.weight]
         pairs = [x[centre], x[receiver]]
@@ -98,16 +101,63 @@ class NTConv(nn.Module):
             weights.append(self.lin_edge.weight)
             pairs.append(edge_attr)
         z = torch.cat(pairs, dim=1) @ torch.cat(weights, dim=1).T + self.lin_centre.bias
-        z = F.dropout(F.gelu(z), self.dropout, self.training)
-        q, k, v = self.lin_qkv(z).view(-1, 3, self.heads, self.head_dim).unbind(1)
-        order = torch.sort(centre, stable=True).indices
-        rowptr = torch.zeros(x.shape[0] + 1, dtype=torch.long, device=x.device)
-        rowptr[1:] = torch.cumsum(torch.bincount(centre, minlength=x.shape[0]), 0)
-        packed = neighbourhood_attention(q[order], k[order], v[order], rowptr, projection=self.projection,
-                                         threshold=self.threshold)
-        o = torch.zeros_like(packed).index_copy(0, order, packed)
-        messages = F.gelu(self.lin_out(o.flatten(1)))
-        return aggregate_dense(messages, centre, receiver, x.shape[0], self.aggr, self.heads, self.gate_group)
+        return _messages_and_aggregate(
+            z, edge_index, x.shape[0], self.lin_qkv.weight, self.lin_qkv.bias, self.lin_out.weight,
+            self.lin_out.bias, heads=self.heads, aggr=self.aggr, gate_group=self.gate_group,
+            projection=self.projection, threshold=self.threshold, dropout=self.dropout if self.training else 0.0,
+            seed=dropout_seed)
+
+
+def _packed_order(centre: torch.Tensor, num_nodes: int):
+    """(order, rowptr): the stable sort of the edges by centre, and the centre CSR row pointer."""
+    order = torch.sort(centre, stable=True).indices
+    rowptr = torch.zeros(num_nodes + 1, dtype=torch.long, device=centre.device)
+    rowptr[1:] = torch.cumsum(torch.bincount(centre, minlength=num_nodes), 0)
+    return order, rowptr
+
+
+def _messages_and_aggregate(u, edge_index, num_nodes, w_qkv, b_qkv, w_out, b_out, *, heads, aggr, gate_group,
+                            projection, threshold, dropout, seed, scale=None, eps=1e-4):
+    """Steps 1b-4 of DESIGN §6 from the pre-activation u (E, C) in original edge order."""
+    centre, receiver = edge_index[0], edge_index[1]
+    channels = u.shape[1]
+    head_dim = channels // heads
+    order, rowptr = _packed_order(centre, num_nodes)
+    z = F.gelu(u)
+    if dropout > 0.0:
+        if seed is None:
+            z = F.dropout(z, dropout, True)
+        else:
+            packed_mask = counter_dropout_mask(seed, u.shape[0], channels, dropout, device=u.device, dtype=u.dtype)
+            z = z * packed_mask[torch.argsort(order)]
+    q, k, v = F.linear(z, w_qkv, b_qkv).view(-1, 3, heads, head_dim).unbind(1)
+    packed = neighbourhood_attention(q[order], k[order], v[order], rowptr, projection=projection,
+                                     threshold=threshold, scale=scale, eps=eps)
+    o = torch.zeros_like(packed).index_copy(0, order, packed)
+    messages = F.gelu(F.linear(o.flatten(1), w_out, b_out))
+    return aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_group)
+
+
+def ntconv_messages(centre_term, receiver_term, edge_index, w_qkv, b_qkv, w_out, b_out, *, heads,
+                    aggr="weighted_mean", gate_group="receiver", edge_attr=None, w_edge=None, projection=None,
+                    threshold=None, dropout=0.0, seed=0, scale=None, eps=1e-4):
+    """The fused NT layer op (DESIGN §10) by plain composition, for checking kernels.
+
+    ``centre_term`` = x W_c + b and ``receiver_term`` = x W_r are (N, C); the
+    message pre-activation of edge (j, k) is ``centre_term[j] + receiver_term[k]
+    (+ edge_attr[e] @ w_edge.T)``; weights in ``nn.Linear`` layout (out, in).
+    Dropout (p = ``dropout``) uses the counter generator with ``seed``, keyed by
+    packed row (the stable sort of the edges by centre).  Without a projection
+    every neighbourhood takes exact attention; with one, ``threshold=None``
+    means the paper's n*.  Returns the (N, C) aggregated output.
+    """
+    centre, receiver = edge_index[0], edge_index[1]
+    u = centre_term[centre] + receiver_term[receiver]
+    if edge_attr is not None:
+        u = u + edge_attr @ w_edge.T
+    return _messages_and_aggregate(u, edge_index, centre_term.shape[0], w_qkv, b_qkv, w_out, b_out, heads=heads,
+                                   aggr=aggr, gate_group=gate_group, projection=projection, threshold=threshold,
+                                   dropout=dropout, seed=seed, scale=scale, eps=eps)
 
 
 class DirNT(nn.Module):
