@@ -1,8 +1,8 @@
 // C += A B for float32 with AVX2 + FMA intrinsics (rows x K times K x N).
 //
 // Compiled for AVX2 + FMA (its own target pragma below) and only called from
-// a kernel file's AVX2 namespace.  The float32 counterpart of small_gemm.h's
-// gemm_acc for any N: columns are walked in panels of up to PANEL_VECS
+// a kernel file's AVX2 namespace; empty on non-x86 targets (cpu/isa.h).  The
+// float32 counterpart of small_gemm.h's gemm_acc for any N: columns are walked in panels of up to PANEL_VECS
 // 8-float vectors (the last vector masked when N is not a multiple of 8), and
 // a tile of ROWS rows x the panel stays in registers while K is walked; every
 // A element is a broadcast load, so no shuffles are needed for either layout
@@ -10,6 +10,9 @@
 // per step whatever the tile shape, so a row's result does not depend on how
 // rows were grouped.
 #pragma once
+#include "cpu/isa.h"
+
+#if NT_CPU_X86
 #include <immintrin.h>
 
 #include <cstdint>
@@ -124,3 +127,4 @@ inline void gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb, f
 
 }  // namespace nt_kernels::cpu::avx2
 #pragma GCC pop_options
+#endif  // NT_CPU_X86

@@ -27,6 +27,7 @@
 // as exp_f32's range clamps and the max reductions.
 #pragma GCC optimize("no-trapping-math")
 #include "cpu/gemm_avx2.h"
+#include "cpu/isa.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
@@ -73,6 +74,8 @@ struct PerformerKernels {
   void (*segment_bwd)(const Args&, int64_t, int64_t, acc_t*);
 };
 
+// One build per ISA (cpu/isa.h).
+#if NT_CPU_X86
 namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -81,12 +84,17 @@ namespace isa_avx2 {
 #undef NT_CPU_AVX2
 #pragma GCC pop_options
 }  // namespace isa_avx2
+#endif
 
 namespace isa_base {
 #define NT_CPU_AVX2 0
 #include "cpu/segment_performer_impl.h"
 #undef NT_CPU_AVX2
 }  // namespace isa_base
+
+#if !NT_CPU_X86
+namespace isa_avx2 = isa_base;  // never chosen: cpu_has_avx2() is false
+#endif
 
 template <typename scalar_t>
 PerformerKernels<scalar_t> performer_kernels() {

@@ -65,12 +65,6 @@ NT_INLINE float exp_f32(float x) {
   return result;
 }
 
-// Whether the kernels compiled for AVX2 + FMA may run on this CPU.
-inline bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-
 NT_INLINE float exp_acc(float x) { return exp_f32(x); }
 NT_INLINE double exp_acc(double x) { return std::exp(x); }
 
