@@ -12,7 +12,7 @@ with environment variables:
   ``NT_BENCH_DEVICE`` (default 4, 8, float32, cuda if available else cpu),
   ``NT_BENCH_ROUNDS`` (default 5).
 
-Backends that do not apply (see ``nt_kernels.bench_backends.skip_reason``) or
+Backends that do not apply (see ``nt_kernels.bench.backends.skip_reason``) or
 whose op is not built are skipped with the reason.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from nt_kernels import bench_backends as bb
-from nt_kernels import bench_measure as bm
+from nt_kernels.bench import backends as bb
+from nt_kernels.bench import measure as bm
 
 DEFAULT_GRAPHS = "synthetic-minesweeper@0.25,synthetic-tolokers@0.05"
 DEFAULT_BACKENDS = "fused,by-size,partitioned-0.4,sequential,reference,flex,nested"

@@ -2,28 +2,48 @@
 
 Exact softmax and Performer (FAVOR+) attention over CSR-packed neighbourhoods,
 as torch.library ops with autograd, on CPU (C++) and CUDA (Triton + CUDA).
-"""
-import importlib.util
+The package layout and its one-way import arrows are in docs/design.md §0.
 
+The pure-Python parts (``csr``, ``performer``, ``baselines``, ``data``) import
+without the compiled extension ``nt_kernels._C``; the ops need it, and using
+one without it raises an ImportError that says how to build it.
+"""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-from nt_kernels import _C  # noqa: F401  (loads the torch.ops.nt_kernels registrations)
+from nt_kernels.baselines.partition import Group, partition_by_area
 from nt_kernels.csr import NeighbourhoodCSR
-from nt_kernels.ops import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
 from nt_kernels.performer import default_nb_features, orthogonal_random_features, switch_threshold
-
-if HAS_TRITON:  # registers the Triton (CUDA) implementation of the exact kernel
-    import nt_kernels.triton  # noqa: F401
 
 __version__ = "0.1.0"
 
+_OPS = ("neighbourhood_attention", "segment_performer_attention", "segment_softmax_attention")
+
+try:
+    from nt_kernels.ops import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
+except ImportError as _exc:
+    if "nt_kernels._C" not in str(_exc):
+        raise
+    _EXTENSION_ERROR = _exc
+else:
+    _EXTENSION_ERROR = None
+    from nt_kernels.backends import register_backends
+
+    register_backends()
+
+
+def __getattr__(name: str):
+    if name in _OPS and _EXTENSION_ERROR is not None:
+        raise ImportError(f"nt_kernels.{name}: {_EXTENSION_ERROR}") from _EXTENSION_ERROR
+    raise AttributeError(f"module 'nt_kernels' has no attribute {name!r}")
+
+
 __all__ = [
+    "Group",
     "NeighbourhoodCSR",
     "default_nb_features",
     "neighbourhood_attention",
     "orthogonal_random_features",
+    "partition_by_area",
     "segment_performer_attention",
     "segment_softmax_attention",
     "switch_threshold",

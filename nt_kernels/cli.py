@@ -8,7 +8,7 @@ import sys
 import torch
 
 import nt_kernels
-from nt_kernels import _C
+from nt_kernels._extension import extension
 
 KERNEL_OPS = {
     "exact": ("softmax_fwd_into", "softmax_bwd_into"),
@@ -17,7 +17,7 @@ KERNEL_OPS = {
 KERNEL_NAMES = {
     ("exact", "CPU"): "C++ (csrc/cpu/segment_softmax_kernel.cpp)",
     ("performer", "CPU"): "C++ (csrc/cpu/segment_performer_kernel.cpp)",
-    ("exact", "CUDA"): "Triton (nt_kernels/triton)",
+    ("exact", "CUDA"): "Triton (nt_kernels/backends/triton)",
     ("performer", "CUDA"): "CUDA (csrc/cuda/segment_performer_kernel.cu)",
 }
 
@@ -42,7 +42,7 @@ def _version(module: str) -> str:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    build = _C.build_info()
+    build = extension().build_info()
     print(f"nt-kernels {nt_kernels.__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}, "
           f"torch_geometric {_version('torch_geometric')}")
@@ -61,7 +61,8 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nt_kernels import bench, demo, train
+    from nt_kernels.apps import demo, train
+    from nt_kernels.bench import cli as bench
 
     parser = argparse.ArgumentParser(
         prog="nt-kernels", description="Padding-free kernels for Neighbourhood Transformers.")

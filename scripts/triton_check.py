@@ -1,6 +1,6 @@
 """Ahead-of-time compile check of the Triton kernels, no GPU needed.
 
-Compiles every kernel of nt_kernels/triton with every autotuning config for a
+Compiles every kernel of nt_kernels/backends/triton with every autotuning config for a
 target GPU (default sm_90, the H100 / H200) through Triton's own pipeline
 (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas), for each
 dtype and padded head dim asked for, and prints per kernel and setting:
@@ -40,8 +40,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia import compiler as nvidia_compiler  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nt_kernels.triton import softmax_bwd, softmax_fwd  # noqa: E402
-from nt_kernels.triton.schedule import PLAN_BLOCK  # noqa: E402
+from nt_kernels.backends.triton import softmax_bwd, softmax_fwd  # noqa: E402
+from nt_kernels.backends.triton.plan import PLAN_BLOCK  # noqa: E402
 
 # Shared memory per block (opt-in maximum) by compute capability, bytes.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}

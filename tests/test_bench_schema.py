@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nt_kernels import bench, bench_plot
+from nt_kernels.bench import cli as bench
+from nt_kernels.bench import plot as bench_plot
 
 NUMBER = {"type": "number"}
 INT = {"type": "integer", "minimum": 0}

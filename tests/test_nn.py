@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import nt_reference.nn as ref
-from nt_kernels.aggregate import aggregate
+from nt_kernels.nn.aggregate import aggregate
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn import NT, DirNT, NTConv
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nt_kernels.partition import Group, _best_split, partition_by_area
+from nt_kernels.baselines.partition import Group, _best_split, partition_by_area
 
 histograms = st.dictionaries(
     st.integers(1, 60), st.integers(1, 12), min_size=1, max_size=9

@@ -10,9 +10,9 @@ import torch
 
 import nt_reference.nn as ref
 from nt_kernels.data import default_data_root
-from nt_kernels.datasets import DATASETS, HETEROPHILOUS, load_dataset, monophily_graph
+from nt_kernels.data.datasets import DATASETS, HETEROPHILOUS, load_dataset, monophily_graph
 from nt_kernels.nn import NT
-from nt_kernels.train import PRESETS, TrainConfig, add_parser, demo_training, preset, roc_auc, score, train_split
+from nt_kernels.apps.train import PRESETS, TrainConfig, add_parser, demo_training, preset, roc_auc, score, train_split
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -1,4 +1,4 @@
-"""Triton exact-attention kernels (nt_kernels.triton) vs the loop reference.
+"""Triton exact-attention kernels (nt_kernels.backends.triton) vs the loop reference.
 
 Without a GPU the kernels run on CPU tensors under TRITON_INTERPRET=1 (set in
 conftest.py), so every case is tiny; with a GPU the same cases run compiled on
@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
-import nt_kernels.triton as ntt
-from nt_kernels.triton.schedule import PLAN_BLOCK, build_plan, describe_plan
+import nt_kernels  # noqa: F401  (registers the ops)
+import nt_kernels.backends.triton.register as ntt
+from nt_kernels.backends.triton.plan import max_packed_tile
+from nt_kernels.backends.triton.plan import PLAN_BLOCK, build_plan, describe_plan
 from nt_reference.ops import segment_softmax_attention as reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -129,9 +131,9 @@ def test_plan_capped_tile_height(max_tile):
 
 
 def test_max_packed_tile():
-    assert ntt.max_packed_tile(torch.float32, 128) == PLAN_BLOCK
-    assert ntt.max_packed_tile(torch.float32, 129) == 32
-    assert ntt.max_packed_tile(torch.bfloat16, 256) == PLAN_BLOCK
+    assert max_packed_tile(torch.float32, 128) == PLAN_BLOCK
+    assert max_packed_tile(torch.float32, 129) == 32
+    assert max_packed_tile(torch.bfloat16, 256) == PLAN_BLOCK
     with pytest.raises(ValueError, match="max_tile must be one of"):
         build_plan(make_rowptr([3]), torch.arange(1, device=DEVICE), max_tile=48)
 

@@ -31,8 +31,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nt_kernels import bench
-    from nt_kernels.train import demo_training
+    from nt_kernels.apps.train import demo_training
+    from nt_kernels.bench import cli as bench
 
     with tempfile.TemporaryDirectory(prefix="nt-demo-") as out:
         parser = argparse.ArgumentParser()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nt_kernels.datasets import DATASETS, SELF_LOOPS, load_dataset, monophily_graph
+from nt_kernels.data.datasets import DATASETS, SELF_LOOPS, load_dataset, monophily_graph
 from nt_kernels.nn import ATTENTIONS, BACKENDS, NT
 
 __all__ = ["PRESETS", "TrainConfig", "add_parser", "demo_training", "preset", "roc_auc", "run", "score",

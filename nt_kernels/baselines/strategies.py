@@ -12,7 +12,7 @@ They differ only in how segments are grouped into batched calls:
   paper's "partitioning by size".
 * :func:`sequential` — one call per distinct segment size, no padding.
 * :func:`partitioned` — the size split plus Algorithm 1's area groups
-  (:func:`nt_kernels.partition.partition_by_area`), each group padded to its
+  (:func:`nt_kernels.baselines.partition.partition_by_area`), each group padded to its
   own max size and processed in turn.
 
 A group of G segments of max size L is gathered into a padded (G, L, H, D)
@@ -37,8 +37,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nt_kernels.partition import partition_by_area
-from nt_reference.ops import default_threshold, performer_features
+from nt_kernels.baselines.partition import partition_by_area
+from nt_kernels.performer import switch_threshold
+from nt_reference.ops import performer_features
 
 __all__ = ["padded", "padded_layout", "partitioned", "sequential"]
 
@@ -94,7 +95,7 @@ def _resolve(q, projection, threshold, scale):
     if projection is None:
         threshold = math.inf
     elif threshold is None:
-        threshold = default_threshold(projection.shape[0], q.shape[-1])
+        threshold = switch_threshold(projection.shape[0], q.shape[-1])
     return scale, threshold
 
 

@@ -5,7 +5,7 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
 * ``fused`` — ours, :func:`nt_kernels.neighbourhood_attention` on a
   :class:`NeighbourhoodCSR` whose segment split is built before timing;
 * ``reference`` — the per-segment loop of :mod:`nt_reference.ops` (small graphs);
-* the paper's strategies from :mod:`nt_reference.strategies`: ``parallel``
+* the paper's strategies from :mod:`nt_kernels.baselines.strategies`: ``parallel``
   (one padded batch, exact attention everywhere), ``by-size`` (size split at the
   threshold, one padded batch per path), ``partitioned-<alpha>`` (size split +
   Algorithm 1) and ``sequential`` (one batch per distinct size);
@@ -108,7 +108,7 @@ def select_backends(spec: str | None, alphas=ALPHAS) -> list[Backend]:
 # ----------------------------------------------------------- padded groups
 def padded_groups(backend: Backend, ctx: Context) -> list[tuple[int, int, bool]] | None:
     """(segments G, padded length L, performer?) of every batched call a strategy makes, else None."""
-    from nt_kernels.partition import partition_by_area
+    from nt_kernels.baselines.partition import partition_by_area
 
     sizes, counts = ctx.hist
     present = [(n, c) for n, c in zip(sizes, counts) if n > 0 and c > 0]
@@ -181,7 +181,7 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
         return lambda q, k, v: ref.neighbourhood_attention(q, k, v, rowptr, projection=projection,
                                                            threshold=threshold)
     if backend.family in STRATEGY_FAMILIES:
-        from nt_reference import strategies
+        from nt_kernels.baselines import strategies
 
         if backend.family == "parallel":
             return lambda q, k, v: strategies.padded(q, k, v, rowptr)

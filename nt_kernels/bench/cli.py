@@ -1,10 +1,10 @@
 """``nt-kernels bench``: our fused op against the loop reference and the paper's strategies.
 
-One run measures every backend of :mod:`nt_kernels.bench_backends` on one or
+One run measures every backend of :mod:`nt_kernels.bench.backends` on one or
 more graphs with the same inputs, writes a JSON document per graph (device,
 versions, graph statistics, settings, per-backend results and a summary) and
 prints a table.  How memory, time and error are measured is documented in
-:mod:`nt_kernels.bench_measure`; docs/results.md repeats it for readers.
+:mod:`nt_kernels.bench.measure`; docs/results.md repeats it for readers.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from nt_kernels import bench_backends as bb
-from nt_kernels import bench_measure as bm
+from nt_kernels.bench import backends as bb
+from nt_kernels.bench import measure as bm
 
 SCHEMA_VERSION = 1
 REAL_GRAPHS = ("minesweeper", "tolokers")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CAP_GB = 10.0
 DEFAULT_REFERENCE_MAX_EDGES = 20_000
 DESCRIPTION = ("Measure forward and forward+backward time, peak memory and error of the fused op, the loop "
@@ -122,7 +122,7 @@ def graph_stats(csr, threshold: float) -> dict:
 def compute_reference(ctx: bb.Context, settings: dict, semantics: str):
     """Float64 output on input set 0: the loop reference where E is small enough, else sequential."""
     from nt_reference import ops as ref
-    from nt_reference import strategies
+    from nt_kernels.baselines import strategies
 
     q, k, v = (t.detach().to("cpu", torch.float64) for t in bm.make_inputs(ctx.num_edges, settings, 0)[:3])
     rowptr = ctx.csr.rowptr.cpu()
@@ -147,7 +147,7 @@ def _run_subprocess(backend: bb.Backend, settings: dict, graph_file: Path, refs:
     (tmp / "spec.json").write_text(json.dumps(spec))
     Path(spec["result_file"]).unlink(missing_ok=True)
     try:
-        proc = subprocess.run([sys.executable, "-m", "nt_kernels.bench_measure", str(tmp / "spec.json")],
+        proc = subprocess.run([sys.executable, "-m", "nt_kernels.bench.measure", str(tmp / "spec.json")],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         entry["status"] = f"timeout: > {timeout:g} s"
@@ -389,9 +389,9 @@ def run(args) -> int:
         print(format_table(doc))
         print(f"-> {path}\n")
     if args.plot:
-        from nt_kernels import bench_plot
+        from nt_kernels.bench import plot
 
-        for written in bench_plot.publish(docs, Path(args.docs_dir)):
+        for written in plot.publish(docs, Path(args.docs_dir)):
             print(f"-> {written}")
     return 0
 

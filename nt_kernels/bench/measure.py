@@ -1,7 +1,7 @@
 """Measuring one backend: inputs, peak memory, timings and error (the bench worker).
 
 ``nt-kernels bench`` runs :func:`measure_backend` in a fresh subprocess per
-backend (``python -m nt_kernels.bench_measure SPEC.json``) unless asked to stay
+backend (``python -m nt_kernels.bench.measure SPEC.json``) unless asked to stay
 in-process.  What is counted:
 
 * peak memory, CUDA: ``torch.cuda.max_memory_allocated()`` during one
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from nt_kernels import bench_backends as bb
+from nt_kernels.bench import backends as bb
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}

@@ -178,7 +178,7 @@ def replace_block(text: str, key: str, body: str) -> str:
 
 def publish(docs: list[tuple[dict, Path]], docs_dir: Path, results_dir: Path | None = None) -> list[Path]:
     """Draw the figures and update docs/results.md; returns the paths written."""
-    from nt_kernels.bench import REPO_ROOT
+    from nt_kernels.bench.cli import REPO_ROOT
 
     results_dir = results_dir or REPO_ROOT / "bench" / "results"
     written = [plot_efficiency([doc], docs_dir / f"efficiency-{path.stem}.png") for doc, path in docs]

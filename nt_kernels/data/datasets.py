@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from nt_kernels.data import GraphData, default_data_root, load_npz, to_undirected
+from nt_kernels.data.graphs import GraphData, default_data_root, load_npz, to_undirected
 
 __all__ = ["DATASETS", "HETEROPHILOUS", "HOMOPHILOUS", "SELF_LOOPS", "load_dataset", "monophily_graph",
            "random_splits"]

@@ -51,7 +51,7 @@ def default_data_root() -> Path:
     """$NT_KERNELS_DATA if set, else ``../shared/data/heterophilous`` next to the checkout."""
     if os.environ.get(DATA_ROOT_ENV):
         return Path(os.environ[DATA_ROOT_ENV])
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "heterophilous"
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "heterophilous"
 
 
 def to_undirected(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:

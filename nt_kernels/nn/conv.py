@@ -1,4 +1,4 @@
-"""NT layer and model in PyTorch Geometric style (DESIGN §6): :class:`NTConv`, :class:`DirNT`, :class:`NT`.
+"""NT layers in PyTorch Geometric style (DESIGN §6): :class:`NTConv` and :class:`DirNT`.
 
 Graphs are passed as ``edge_index`` (2, E) (row 0 = centre j, row 1 =
 receiver k) or as a prebuilt :class:`NeighbourhoodCSR`.  Everything derived
@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import nt_reference.ops as reference_ops
-from nt_kernels.aggregate import AGGREGATORS, GATE_GROUPS, GATED_AGGREGATORS, aggregate, receiver_csr, reversed_csr
 from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.nn.aggregate import (AGGREGATORS, GATE_GROUPS, GATED_AGGREGATORS, aggregate, receiver_csr,
+                                     reversed_csr)
 from nt_kernels.ops import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
 from nt_kernels.performer import default_nb_features, orthogonal_random_features, switch_threshold
 
-__all__ = ["ATTENTIONS", "BACKENDS", "DirNT", "NT", "NTConv"]
+__all__ = ["ATTENTIONS", "BACKENDS", "DirNT", "NTConv"]
 
 ATTENTIONS = ("switch", "softmax", "performer")
 BACKENDS = ("fused", "reference")
@@ -267,77 +268,3 @@ class DirNT(nn.Module):
         csr = self._graphs("DirNT", graph, x.shape[0])
         _check_csr_fits("DirNT", csr, x.shape[0])
         return self.conv(x, csr, edge_attr) + self.conv_reversed(x, reversed_csr(csr, x.shape[0]), edge_attr)
-
-
-class NT(nn.Module):
-    """The paper's NT network (GAT-sep backbone, DESIGN §6).
-
-    ``Linear -> Dropout -> GELU`` encoder to ``hidden`` channels; ``num_layers``
-    residual blocks ``x = x + FFN(h)`` with ``nx = LayerNorm(x)``,
-    ``h = conv(nx)`` (an NTConv, or a DirNT when ``directed``), ``h = [nx | h]``
-    when ``sep``, ``FFN = Linear -> Dropout -> GELU -> Linear -> Dropout``;
-    ``LayerNorm -> Linear`` predictor.  ``hidden`` is the total width
-    (heads x head dim); ``dropout`` applies to the encoder and the FFNs, the
-    remaining keyword arguments go to every NTConv.
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, hidden: int, num_layers: int, heads: int = 1,
-                 dropout: float = 0.0, directed: bool = False, sep: bool = False, **conv_kwargs):
-        super().__init__()
-        for name, value, low in (("in_channels", in_channels, 1), ("out_channels", out_channels, 1),
-                                 ("hidden", hidden, 1), ("num_layers", num_layers, 0), ("heads", heads, 1)):
-            _check_int(f"NT: {name}", value, low)
-        _check_dropout("NT", dropout)
-        self.in_channels, self.out_channels, self.hidden = in_channels, out_channels, hidden
-        self.num_layers, self.heads, self.dropout = num_layers, heads, float(dropout)
-        self.directed, self.sep = bool(directed), bool(sep)
-        conv_cls = DirNT if directed else NTConv
-        ffn_in = 2 * hidden if sep else hidden
-        self.encoder = nn.Sequential(nn.Linear(in_channels, hidden), nn.Dropout(dropout), nn.GELU())
-        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers))
-        self.convs = nn.ModuleList(conv_cls(hidden, hidden, heads=heads, **conv_kwargs) for _ in range(num_layers))
-        self.ffns = nn.ModuleList(
-            nn.Sequential(nn.Linear(ffn_in, hidden), nn.Dropout(dropout), nn.GELU(),
-                          nn.Linear(hidden, hidden), nn.Dropout(dropout))
-            for _ in range(num_layers))
-        self.predictor = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, out_channels))
-        self._graphs = _GraphCache()
-
-    @property
-    def backend(self) -> str:
-        return self.convs[0].backend if self.num_layers else "fused"
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        _check_choice("NT: backend", value, BACKENDS)
-        for conv in self.convs:
-            conv.backend = value
-
-    def reset_parameters(self) -> None:
-        for block in (self.encoder, self.norms, *self.ffns, self.predictor, self.convs):
-            for module in block:
-                if hasattr(module, "reset_parameters"):
-                    module.reset_parameters()
-
-    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
-        """The CSR of ``graph`` with every plan of every layer built (call before ``torch.compile``)."""
-        csr = self._graphs("NT.prepare", graph, num_nodes)
-        for conv in self.convs:
-            conv.prepare(csr, num_nodes)
-        return csr
-
-    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
-        _check_x("NT", x, self.in_channels)
-        csr = self._graphs("NT", graph, x.shape[0])
-        x = self.encoder(x)
-        for norm, conv, ffn in zip(self.norms, self.convs, self.ffns):
-            nx = norm(x)
-            h = conv(nx, csr, edge_attr)
-            if self.sep:
-                h = torch.cat([nx, h], dim=-1)
-            x = x + ffn(h)
-        return self.predictor(x)
-
-    def extra_repr(self) -> str:
-        return (f"directed={self.directed}, sep={self.sep}, hidden={self.hidden}, "
-                f"num_layers={self.num_layers}, dropout={self.dropout}")

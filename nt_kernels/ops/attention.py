@@ -11,14 +11,13 @@ import math
 
 import torch
 
-from nt_kernels import HAS_TRITON, _checks
+from nt_kernels._extension import extension
+from nt_kernels import backends
 from nt_kernels.csr import NeighbourhoodCSR, split_segments
+from nt_kernels.ops import _checks
 from nt_kernels.performer import switch_threshold
 
-if HAS_TRITON:
-    from nt_kernels.triton import build_plan, max_packed_tile
-else:  # the CPU kernels need no plan
-    build_plan = max_packed_tile = None
+extension()  # the op schemas live in the compiled extension
 
 __all__ = ["neighbourhood_attention", "segment_performer_attention", "segment_softmax_attention"]
 
@@ -79,15 +78,6 @@ def _rowptr_of(op: str, csr_or_rowptr, q: torch.Tensor):
     return _checks.check_rowptr(op, csr_or_rowptr, q), None
 
 
-def _exact_plan(csr: NeighbourhoodCSR | None, threshold: float, exact: torch.Tensor, q: torch.Tensor):
-    """The exact kernel's work list, cached on the CSR (None without one: the kernel builds it)."""
-    if csr is None or build_plan is None:
-        return None
-    max_tile = max_packed_tile(q.dtype, q.shape[2])
-    return csr.plan(("exact-plan", float(threshold), max_tile),
-                    lambda: build_plan(csr.rowptr, exact, num_rows=csr.num_edges, max_tile=max_tile))
-
-
 def _default_scale(q: torch.Tensor, scale):
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
@@ -111,7 +101,7 @@ def segment_softmax_attention(q, k, v, rowptr, *, scale=None) -> torch.Tensor:
     rowptr, csr = _rowptr_of(op, rowptr, q)
     exact = _all_segments(rowptr) if csr is None else csr.segment_split(math.inf)[0]
     o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, _no_segments(rowptr),
-                              _exact_plan(csr, math.inf, exact, q), None, _default_scale(q, scale),
+                              backends.exact_plan(csr, math.inf, exact, q), None, _default_scale(q, scale),
                               DEFAULT_EPS)
     return o
 
@@ -160,6 +150,6 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
         exact, performer = csr.segment_split(threshold)
     else:
         exact, performer = split_segments(rowptr, threshold)
-    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, _exact_plan(csr, threshold, exact, q),
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, backends.exact_plan(csr, threshold, exact, q),
                               projection, _default_scale(q, scale), float(eps))
     return o

@@ -15,12 +15,14 @@ from __future__ import annotations
 import torch
 from torch.library import register_autograd, register_kernel, triton_op, wrap_triton
 
-import nt_kernels  # noqa: F401  (defines the nt_kernels::* schemas)
-from nt_kernels.triton.schedule import build_plan, max_packed_tile
-from nt_kernels.triton.softmax_bwd import softmax_bwd
-from nt_kernels.triton.softmax_fwd import default_scale, softmax_fwd
+from nt_kernels._extension import extension
+from nt_kernels.backends.triton.plan import build_plan, max_packed_tile
+from nt_kernels.backends.triton.softmax_bwd import softmax_bwd
+from nt_kernels.backends.triton.softmax_fwd import default_scale, softmax_fwd
 
-__all__ = ["segment_softmax", "softmax_bwd_into", "softmax_fwd_into"]
+__all__ = ["register", "segment_softmax", "softmax_bwd_into", "softmax_fwd_into"]
+
+extension()  # defines the nt_kernels::* schemas
 
 
 def _plan(plan, rowptr, segments, q):
@@ -46,8 +48,11 @@ def softmax_bwd_into(dq, dk, dv, grad_o, q, k, v, o, lse, rowptr, segments, plan
                 torch.backends.cuda.matmul.allow_tf32)
 
 
-register_kernel("nt_kernels::softmax_fwd_into", "cuda", softmax_fwd_into)
-register_kernel("nt_kernels::softmax_bwd_into", "cuda", softmax_bwd_into)
+def register() -> None:
+    """Make these functions the CUDA kernels of ``softmax_fwd_into`` / ``softmax_bwd_into``
+    (called once, from :func:`nt_kernels.backends.register_backends`)."""
+    register_kernel("nt_kernels::softmax_fwd_into", "cuda", softmax_fwd_into)
+    register_kernel("nt_kernels::softmax_bwd_into", "cuda", softmax_bwd_into)
 
 
 def _all_segments_plan(rowptr: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

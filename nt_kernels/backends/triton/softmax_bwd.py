@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.triton.schedule import PLAN_BLOCK
-from nt_kernels.triton.softmax_fwd import (
+from nt_kernels.backends.triton.plan import PLAN_BLOCK
+from nt_kernels.backends.triton.softmax_fwd import (
     H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, block_d, configs, dot_precision,
     cast, finite_or_zero, load_rows, mm, nonfinite_rows, num_programs, packed_classes, packed_rows,
     segment_any,

@@ -3,7 +3,7 @@
 Packed q, k, v, o are (E, H, D) contiguous; a program handles one (tile, head)
 work item at a time and loads (rows x D) slices, each row a contiguous run of
 D elements.  Every kernel is persistent: a fixed grid walks the work list of
-the plan (see schedule.py), whose lengths live on the device.
+the plan (see plan.py), whose lengths live on the device.
 
 * ``_fwd_packed_kernel``: one tile of TILE rows holds whole segments of equal
   size n; scores are masked block-diagonally (``row // n == col // n``) and the
@@ -22,17 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.triton import schedule
-from nt_kernels.triton.schedule import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile
+from nt_kernels.backends.triton import plan as plan_layout
+from nt_kernels.backends.triton.plan import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E_C = tl.constexpr(LOG2E)
-H_TILES = tl.constexpr(schedule.H_TILES)
-H_TILE_OFF = tl.constexpr(schedule.H_TILE_OFF)
-H_MULTI = tl.constexpr(schedule.H_MULTI)
-H_MULTI_OFF = tl.constexpr(schedule.H_MULTI_OFF)
+H_TILES = tl.constexpr(plan_layout.H_TILES)
+H_TILE_OFF = tl.constexpr(plan_layout.H_TILE_OFF)
+H_MULTI = tl.constexpr(plan_layout.H_MULTI)
+H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
 
 
 def configs(inner_blocks=(32, 64), warps=(4, 8), inner_name="BLOCK_N"):

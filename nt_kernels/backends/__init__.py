@@ -1,0 +1,60 @@
+"""Kernel backends and their registration with the dispatcher.
+
+* C++ kernels (CPU exact and Performer, CUDA Performer) register when the
+  compiled extension ``nt_kernels._C`` loads (``TORCH_LIBRARY_IMPL`` blocks).
+* Triton kernels (the CUDA exact kernels of ``nt_kernels::softmax_fwd_into`` /
+  ``softmax_bwd_into``) register through :func:`nt_kernels.backends.triton.register.register`,
+  called only from :func:`register_backends` and only when triton is importable.
+
+``import nt_kernels`` calls :func:`register_backends` once; importing a backend
+module registers nothing by itself.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["exact_plan", "has_triton", "register_backends", "triton_registered"]
+
+_registered = {"done": False, "triton": False}
+
+
+def has_triton() -> bool:
+    """Whether the optional dependency triton is installed (``pip install nt-kernels[triton]``)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_registered() -> bool:
+    """Whether the Triton kernels serve the exact path on CUDA in this process."""
+    return _registered["triton"]
+
+
+def register_backends() -> None:
+    """Register every available kernel implementation with the dispatcher (idempotent)."""
+    if _registered["done"]:
+        return
+    from nt_kernels._extension import extension
+
+    extension()  # C++ kernels: registered by loading the library
+    if has_triton():
+        from nt_kernels.backends.triton.register import register
+
+        register()
+        _registered["triton"] = True
+    _registered["done"] = True
+
+
+def exact_plan(csr, threshold: float, segments: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+    """The exact kernel's work list for ``segments`` (``csr``'s exact split at ``threshold``), cached on ``csr``.
+
+    Only the Triton kernels (CUDA) read a plan; on other devices, or without a
+    CSR (the kernel then builds its own), this is None.
+    """
+    if csr is None or q.device.type != "cuda" or not _registered["triton"]:
+        return None
+    from nt_kernels.backends.triton.plan import build_plan, max_packed_tile
+
+    max_tile = max_packed_tile(q.dtype, q.shape[2])
+    return csr.plan(("exact-plan", float(threshold), max_tile),
+                    lambda: build_plan(csr.rowptr, segments, num_rows=csr.num_edges, max_tile=max_tile))

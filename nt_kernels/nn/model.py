@@ -1,0 +1,84 @@
+"""The paper's NT network (GAT-sep backbone, DESIGN §6) built from :class:`NTConv` or :class:`DirNT` layers."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.nn.conv import BACKENDS, DirNT, NTConv, _check_choice, _check_dropout, _check_int, _check_x, _GraphCache
+
+__all__ = ["NT"]
+
+
+class NT(nn.Module):
+    """The paper's NT network (GAT-sep backbone, DESIGN §6).
+
+    ``Linear -> Dropout -> GELU`` encoder to ``hidden`` channels; ``num_layers``
+    residual blocks ``x = x + FFN(h)`` with ``nx = LayerNorm(x)``,
+    ``h = conv(nx)`` (an NTConv, or a DirNT when ``directed``), ``h = [nx | h]``
+    when ``sep``, ``FFN = Linear -> Dropout -> GELU -> Linear -> Dropout``;
+    ``LayerNorm -> Linear`` predictor.  ``hidden`` is the total width
+    (heads x head dim); ``dropout`` applies to the encoder and the FFNs, the
+    remaining keyword arguments go to every NTConv.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, hidden: int, num_layers: int, heads: int = 1,
+                 dropout: float = 0.0, directed: bool = False, sep: bool = False, **conv_kwargs):
+        super().__init__()
+        for name, value, low in (("in_channels", in_channels, 1), ("out_channels", out_channels, 1),
+                                 ("hidden", hidden, 1), ("num_layers", num_layers, 0), ("heads", heads, 1)):
+            _check_int(f"NT: {name}", value, low)
+        _check_dropout("NT", dropout)
+        self.in_channels, self.out_channels, self.hidden = in_channels, out_channels, hidden
+        self.num_layers, self.heads, self.dropout = num_layers, heads, float(dropout)
+        self.directed, self.sep = bool(directed), bool(sep)
+        conv_cls = DirNT if directed else NTConv
+        ffn_in = 2 * hidden if sep else hidden
+        self.encoder = nn.Sequential(nn.Linear(in_channels, hidden), nn.Dropout(dropout), nn.GELU())
+        self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers))
+        self.convs = nn.ModuleList(conv_cls(hidden, hidden, heads=heads, **conv_kwargs) for _ in range(num_layers))
+        self.ffns = nn.ModuleList(
+            nn.Sequential(nn.Linear(ffn_in, hidden), nn.Dropout(dropout), nn.GELU(),
+                          nn.Linear(hidden, hidden), nn.Dropout(dropout))
+            for _ in range(num_layers))
+        self.predictor = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, out_channels))
+        self._graphs = _GraphCache()
+
+    @property
+    def backend(self) -> str:
+        return self.convs[0].backend if self.num_layers else "fused"
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        _check_choice("NT: backend", value, BACKENDS)
+        for conv in self.convs:
+            conv.backend = value
+
+    def reset_parameters(self) -> None:
+        for block in (self.encoder, self.norms, *self.ffns, self.predictor, self.convs):
+            for module in block:
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+
+    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``graph`` with every plan of every layer built (call before ``torch.compile``)."""
+        csr = self._graphs("NT.prepare", graph, num_nodes)
+        for conv in self.convs:
+            conv.prepare(csr, num_nodes)
+        return csr
+
+    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        _check_x("NT", x, self.in_channels)
+        csr = self._graphs("NT", graph, x.shape[0])
+        x = self.encoder(x)
+        for norm, conv, ffn in zip(self.norms, self.convs, self.ffns):
+            nx = norm(x)
+            h = conv(nx, csr, edge_attr)
+            if self.sep:
+                h = torch.cat([nx, h], dim=-1)
+            x = x + ffn(h)
+        return self.predictor(x)
+
+    def extra_repr(self) -> str:
+        return (f"directed={self.directed}, sep={self.sep}, hidden={self.hidden}, "
+                f"num_layers={self.num_layers}, dropout={self.dropout}")

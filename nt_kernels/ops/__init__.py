@@ -1,0 +1,11 @@
+"""Public ops of nt-kernels: checks, defaults and plans over the ``torch.ops.nt_kernels`` ops.
+
+* :mod:`nt_kernels.ops.attention`: the segment-attention functions, with the
+  fake kernels and autograd of ``nt_kernels::attention_fwd`` / ``attention_bwd``;
+* :mod:`nt_kernels.ops._checks`: argument checks at the public boundary.
+
+Importing this package needs the compiled extension ``nt_kernels._C``.
+"""
+from nt_kernels.ops.attention import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
+
+__all__ = ["neighbourhood_attention", "segment_performer_attention", "segment_softmax_attention"]
