@@ -1,7 +1,7 @@
 // CUDA Performer (FAVOR+) attention over CSR segments: scratch layout and the
 // launch sequence of the forward and backward passes (kernels in
-// segment_performer_features.cuh and segment_performer_rows.cuh; algorithm in
-// docs/kernels_performer.md).
+// segment_performer_features.cuh, segment_performer_combine.cuh and
+// segment_performer_rows.cuh; algorithm in docs/kernels.md, "CUDA Performer").
 //
 // Forward:   keys pass (feature sums with running max) -> combine -> colsum -> row pass (o).
 // Backward:  keys pass -> combine -> colsum -> row pass (dq, G', row max)
@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cuda/segment_performer_combine.cuh"
 #include "cuda/segment_performer_device.cuh"
 #include "cuda/segment_performer_features.cuh"
 #include "cuda/segment_performer_kernel.cuh"
@@ -95,9 +96,16 @@ void launch_key_sums(const PerformerProblem& p, const Geometry& g, const Scratch
                      cudaStream_t stream) {
   const int64_t items = p.chunk_capacity * p.heads;
   const size_t fs_smem = sizeof(float) * feature_smem_floats(g.dp);
-  feature_sums_kernel<T, T, true><<<grid_for(p, items), THREADS, fs_smem, stream>>>(
-      g, k, v, nullptr, nullptr, projection, scratch + s.part, scratch + s.part_max,
-      scratch + s.part_sum, vector_ok(k, p.dim), vector_ok(v, p.dim));
+  FeaturePass<T, T> keys;
+  keys.x = k;
+  keys.y = v;
+  keys.proj = projection;
+  keys.part = scratch + s.part;
+  keys.part_max = scratch + s.part_max;
+  keys.part_sum = scratch + s.part_sum;
+  keys.vec_x = vector_ok(k, p.dim);
+  keys.vec_y = vector_ok(v, p.dim);
+  feature_sums_kernel<T, T, true><<<grid_for(p, items), THREADS, fs_smem, stream>>>(g, keys);
   const int fcb = std::max(1, COMBINE_ELEMS / (p.dim + 1));
   const int64_t blocks = p.num_segments * p.heads * ((p.features + fcb - 1) / fcb);
   combine_kernel<true><<<grid_for(p, blocks), THREADS, 0, stream>>>(
@@ -119,10 +127,15 @@ cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k,
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, false);
   launch_key_sums(p, g, s, k, v, projection, scratch, stream);
+  RowPass<T> rows;
+  rows.x = q;
+  rows.proj = projection;
+  rows.mat = scratch + s.part;
+  rows.colsum = scratch + s.colsum;
+  rows.out_x = o;
+  rows.vec_x = vector_ok(q, p.dim);
   const size_t rs_smem = sizeof(float) * row_smem_floats(g.dp);
-  row_kernel<T, ROW_FORWARD><<<grid_for(p, p.chunk_capacity * p.heads), THREADS, rs_smem, stream>>>(
-      g, q, nullptr, projection, scratch + s.part, scratch + s.colsum, nullptr, o, nullptr,
-      nullptr, nullptr, nullptr, vector_ok(q, p.dim), false);
+  row_kernel<T, ROW_FORWARD><<<grid_for(p, p.chunk_capacity * p.heads), THREADS, rs_smem, stream>>>(g, rows);
   return cudaGetLastError();
 }
 
@@ -139,22 +152,46 @@ cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const
   // Stage 1: W = sum_k phi(k) (v, 1) per segment, as in the forward.
   launch_key_sums(p, g, s, k, v, projection, scratch, stream);
   // Stage 2: per query row, G' = dL/do' and dq; G' and the row max are kept for stage 3.
-  row_kernel<T, ROW_BACKWARD_Q><<<grid_for(p, items), THREADS, rs_smem, stream>>>(
-      g, q, grad_o, projection, scratch + s.part, scratch + s.colsum, nullptr, dq, nullptr,
-      scratch + s.gbuf, scratch + s.gx, scratch + s.qstab, vector_ok(q, p.dim),
-      vector_ok(grad_o, p.dim));
+  RowPass<T> queries;
+  queries.x = q;
+  queries.y = grad_o;
+  queries.proj = projection;
+  queries.mat = scratch + s.part;
+  queries.colsum = scratch + s.colsum;
+  queries.out_x = dq;
+  queries.gbuf = scratch + s.gbuf;
+  queries.gx = scratch + s.gx;
+  queries.qstab = scratch + s.qstab;
+  queries.vec_x = vector_ok(q, p.dim);
+  queries.vec_y = vector_ok(grad_o, p.dim);
+  row_kernel<T, ROW_BACKWARD_Q><<<grid_for(p, items), THREADS, rs_smem, stream>>>(g, queries);
   // Stage 3: C = sum_q phi(q) G'^T per segment (overwrites W, no longer needed).
-  feature_sums_kernel<T, float, false><<<grid_for(p, items), THREADS, fs_smem, stream>>>(
-      g, q, scratch + s.gbuf, scratch + s.gx, scratch + s.qstab, projection, scratch + s.part,
-      nullptr, nullptr, vector_ok(q, p.dim), vector_ok(scratch + s.gbuf, p.dim));
+  FeaturePass<T, float> grads;
+  grads.x = q;
+  grads.y = scratch + s.gbuf;
+  grads.y_extra = scratch + s.gx;
+  grads.row_stab = scratch + s.qstab;
+  grads.proj = projection;
+  grads.part = scratch + s.part;
+  grads.vec_x = vector_ok(q, p.dim);
+  grads.vec_y = vector_ok(scratch + s.gbuf, p.dim);
+  feature_sums_kernel<T, float, false><<<grid_for(p, items), THREADS, fs_smem, stream>>>(g, grads);
   const int fcb = std::max(1, COMBINE_ELEMS / (p.dim + 1));
   const int64_t blocks = p.num_segments * p.heads * ((p.features + fcb - 1) / fcb);
   combine_kernel<false><<<grid_for(p, blocks), THREADS, 0, stream>>>(
       g, scratch + s.part, nullptr, nullptr, nullptr, fcb);
   // Stage 4: per key row, dk and dv from C and the key stabiliser.
-  row_kernel<T, ROW_BACKWARD_K><<<grid_for(p, items), THREADS, rs_smem, stream>>>(
-      g, k, v, projection, scratch + s.part, nullptr, scratch + s.seg_stab, dk, dv, nullptr,
-      nullptr, nullptr, vector_ok(k, p.dim), vector_ok(v, p.dim));
+  RowPass<T> keys;
+  keys.x = k;
+  keys.y = v;
+  keys.proj = projection;
+  keys.mat = scratch + s.part;
+  keys.seg_stab = scratch + s.seg_stab;
+  keys.out_x = dk;
+  keys.out_y = dv;
+  keys.vec_x = vector_ok(k, p.dim);
+  keys.vec_y = vector_ok(v, p.dim);
+  row_kernel<T, ROW_BACKWARD_K><<<grid_for(p, items), THREADS, rs_smem, stream>>>(g, keys);
   return cudaGetLastError();
 }
 
