@@ -310,3 +310,33 @@ def test_model_and_aggregate_errors():
         aggregate(torch.randn(3, 4), csr, "sum", num_nodes=2)
     with pytest.raises(ValueError, match="aggregate: gated_sum needs C divisible by 2 \\* heads = 4"):
         aggregate(torch.randn(2, 6), csr, "gated_sum", num_nodes=2, heads=2)
+
+
+def test_max_aggregation_splits_gradient_among_ties_like_amax():
+    """Discrete messages (many ties per receiver, as on minesweeper): forward and gradient equal the
+    dense reference's amax (gradient split evenly among tied messages), in float64."""
+    edge_index = hub_graph(directed=False)
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, NUM_NODES)
+    gen = torch.Generator().manual_seed(4)
+    messages = torch.randint(-2, 3, (csr.num_edges, 5), generator=gen).double().requires_grad_()
+    weight = torch.randn(NUM_NODES, 5, dtype=torch.float64, generator=gen)
+    out = aggregate(messages, csr, "max", num_nodes=NUM_NODES)
+    (grad,) = torch.autograd.grad((out * weight).sum(), messages)
+    dense_messages = messages.detach().clone().requires_grad_()
+    want = ref.aggregate_dense(dense_messages, csr.centre, csr.receiver, NUM_NODES, "max", 1)
+    (want_grad,) = torch.autograd.grad((want * weight).sum(), dense_messages)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(grad, want_grad, atol=1e-15, rtol=0)
+    shared = (grad != 0) & (grad != weight.index_select(0, csr.receiver))  # a split gradient: a tie
+    assert shared.any()
+
+
+def test_max_aggregation_empty_and_nan_receivers():
+    csr = NeighbourhoodCSR.from_edge_index(torch.tensor([[0, 1, 2], [1, 1, 0]]), 4)
+    messages = torch.tensor([[1.0, -math.inf], [1.0, 2.0], [float("nan"), 3.0]], requires_grad=True)
+    out = aggregate(messages, csr, "max", num_nodes=4)
+    assert torch.isnan(out[0, 0]) and out[0, 1] == 3.0
+    torch.testing.assert_close(out[1], torch.tensor([1.0, 2.0]))
+    assert not out[2:].any()
+    out[1].sum().backward()
+    torch.testing.assert_close(messages.grad, torch.tensor([[0.5, 0.0], [0.5, 1.0], [0.0, 0.0]]))

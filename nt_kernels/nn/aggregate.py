@@ -14,7 +14,7 @@ import torch
 from nt_kernels.csr import NeighbourhoodCSR
 
 __all__ = ["AGGREGATORS", "GATED_AGGREGATORS", "GATE_GROUPS", "aggregate", "receiver_csr", "reversed_csr",
-           "segment_softmax"]
+           "segment_max", "segment_softmax"]
 
 AGGREGATORS = ("sum", "mean", "max", "weighted_mean", "gated_sum")
 GATED_AGGREGATORS = ("weighted_mean", "gated_sum")
@@ -55,6 +55,23 @@ def segment_softmax(scores: torch.Tensor, csr: NeighbourhoodCSR) -> torch.Tensor
     return exp / total.index_select(0, segment)
 
 
+def segment_max(rows: torch.Tensor, csr: NeighbourhoodCSR) -> torch.Tensor:
+    """Max of (E, C) ``rows`` over each segment of ``csr`` with PyTorch's ``amax`` gradient rule.
+
+    The gradient of a segment's max is split evenly among the rows that tie
+    for it (as ``torch.amax`` does, and ``nt_reference.nn.aggregate_dense``):
+    with the detached peak p, ``max = sum(rows where rows == p) / count(rows == p)``.
+    Reductions over contiguous segments only (no scatter), so deterministic.
+    Empty segments give 0; a NaN in a segment gives NaN.
+    """
+    peak = torch.segment_reduce(rows.detach(), "max", offsets=csr.rowptr)
+    tied = rows == peak.index_select(0, csr.centre)
+    count = torch.segment_reduce(tied.to(rows.dtype), "sum", offsets=csr.rowptr)
+    total = torch.segment_reduce(torch.where(tied, rows, torch.zeros_like(rows)), "sum", offsets=csr.rowptr)
+    out = total / count.clamp(min=1)
+    return torch.where(torch.isnan(peak), peak, out)
+
+
 def _gate(messages: torch.Tensor, csr: NeighbourhoodCSR, rcsr: NeighbourhoodCSR, aggr: str, heads: int,
           gate_group: str) -> torch.Tensor:
     """Gated messages in receiver order: value half weighted by the normalised mean of the gate half."""
@@ -75,7 +92,8 @@ def aggregate(messages: torch.Tensor, csr: NeighbourhoodCSR, aggr: str, *, num_n
               gate_group: str = "receiver") -> torch.Tensor:
     """Reduce centre-packed (E, C) messages at their receivers into (num_nodes, C').
 
-    ``sum``, ``mean`` and ``max`` reduce the C channels directly (empty -> 0).
+    ``sum``, ``mean`` and ``max`` reduce the C channels directly (empty -> 0);
+    ``max`` splits its gradient evenly among tied messages (:func:`segment_max`).
     ``weighted_mean`` and ``gated_sum`` read C = 2 C' as ``heads`` blocks of
     [gate half | value half]; the gate of a message and head is the mean of its
     gate half, normalised by a softmax over the messages arriving at the same
@@ -97,8 +115,7 @@ def aggregate(messages: torch.Tensor, csr: NeighbourhoodCSR, aggr: str, *, num_n
     else:
         received = messages.index_select(0, rcsr.perm)
     if aggr == "max":
-        peak = torch.segment_reduce(received, "max", offsets=rcsr.rowptr)
-        return torch.where((rcsr.degree > 0).unsqueeze(-1), peak, torch.zeros_like(peak))
+        return segment_max(received, rcsr)
     total = torch.segment_reduce(received, "sum", offsets=rcsr.rowptr)
     if aggr == "mean":
         return total / rcsr.degree.clamp(min=1).unsqueeze(-1).to(total.dtype)
