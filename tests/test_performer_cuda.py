@@ -130,6 +130,47 @@ def test_deterministic_and_nan_stays_in_its_segment():
     assert torch.equal(o_nan[start:end, 1], first[0][start:end, 1])
 
 
+# SMALL_SIZES gives rowptr [0, 0, 1, 6, 46, 346]: 5 segments over 346 rows.
+@pytest.mark.parametrize("segments, message", [
+    ([0, 5], r"segments\[1\] = 5 is out of range for rowptr with 5 segments"),
+    ([-1, 2], r"segments\[0\] = -1 is out of range for rowptr with 5 segments"),
+    ([1, 3, 4, 3], r"segments lists segment 3 more than once"),
+])
+@pytest.mark.parametrize("op", ["performer_fwd_into", "performer_bwd_into"])
+def test_bad_segment_ids_are_rejected(segments, message, op):
+    q, k, v, rowptr, projection, grad_o = cast(make_case(SMALL_SIZES, 8, torch.float64), torch.float32)
+    seg = torch.tensor(segments, device=q.device)
+    kernels = torch.ops.nt_kernels
+    with pytest.raises(RuntimeError, match=f"{op}: {message}"):
+        if op == "performer_fwd_into":
+            kernels.performer_fwd_into(torch.empty_like(q), q, k, v, rowptr, seg, projection, EPS)
+        else:
+            grads = [torch.empty_like(q) for _ in range(3)]
+            kernels.performer_bwd_into(*grads, grad_o, q, k, v, rowptr, seg, projection, EPS)
+
+
+def test_bad_rowptr_values_are_rejected():
+    q, k, v, rowptr, projection, _ = cast(make_case(SMALL_SIZES, 8, torch.float64), torch.float32)
+    seg = torch.arange(rowptr.numel() - 1, device=q.device)
+    descending = torch.tensor([0, 0, 7, 6, 46, 346], device=q.device)
+    with pytest.raises(RuntimeError, match=r"rowptr must be non-decreasing, but rowptr\[2\] = 7 > rowptr\[3\] = 6"):
+        torch.ops.nt_kernels.performer_fwd_into(torch.empty_like(q), q, k, v, descending, seg, projection, EPS)
+    short = torch.tensor([0, 0, 1, 6, 46, 345], device=q.device)
+    with pytest.raises(RuntimeError, match=r"rowptr\[-1\] must equal E = 346, got 345"):
+        torch.ops.nt_kernels.performer_fwd_into(torch.empty_like(q), q, k, v, short, seg, projection, EPS)
+
+
+def test_segments_changed_in_place_are_checked_again():
+    """A checked (rowptr, segments) pair is remembered by tensor and version: an
+    in-place change after a successful call is still caught."""
+    case = cast(make_case(SMALL_SIZES, 8, torch.float64), torch.float32)
+    seg = torch.tensor([1, 3], device=case[0].device)
+    kernel_fwd_bwd(*case, segments=seg)
+    seg[1] = 1
+    with pytest.raises(RuntimeError, match="segments lists segment 1 more than once"):
+        kernel_fwd_bwd(*case, segments=seg)
+
+
 def test_bad_dtype_and_dim_are_rejected():
     with pytest.raises(RuntimeError, match="performer_fwd_into: CUDA supports float32"):
         kernel_fwd_bwd(*make_case([3], 8, torch.float64))

@@ -2,14 +2,24 @@
 // argument checks, the per-call chunk plan (device ops, no host sync), float32
 // scratch from the caching allocator, and the torch-free launchers on the
 // current stream of q's device.
+//
+// Segment ids and rowptr values are checked like the CPU kernels check them
+// (common/segment_table.h): an id out of range would read outside rowptr, and
+// a repeated id would overrun the chunk plan's capacity and leave rows
+// unwritten.  The check syncs once per new (rowptr, segments) pair; a pair
+// already checked (same tensors, unchanged versions) costs nothing.  While
+// the stream is being captured into a CUDA graph nothing can sync, so only
+// pairs checked before the capture (its warm-up run) are covered there.
 #include <limits>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/segment_table.h"
 #include "cuda/segment_performer_kernel.cuh"
 #include "ops/checks.h"
 
@@ -41,6 +51,14 @@ void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   TORCH_CHECK(q.size(1) <= std::numeric_limits<int>::max() &&
                   projection.size(0) <= std::numeric_limits<int>::max(),
               op, ": heads and features must fit in int32");
+}
+
+// Value checks of rowptr and the segment ids (see the file comment).
+void check_segment_values(const char* op, const Tensor& q, const Tensor& rowptr,
+                          const Tensor& segments) {
+  static ValidatedTables checked;
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
+  checked.check(op, rowptr, segments, q.size(0));
 }
 
 // rp and seg are contiguous and, like the chunk plan written to `offsets`, must
@@ -98,6 +116,7 @@ void performer_fwd_into_cuda(const Tensor& o, const Tensor& q, const Tensor& k, 
   check_output(op, "o", o, q);
   if (q.numel() == 0 || segments.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
+  check_segment_values(op, q, rowptr, segments);
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
@@ -127,6 +146,7 @@ void performer_bwd_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& d
               op, ": grad_o must match q's shape, dtype and device");
   if (q.numel() == 0 || segments.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
+  check_segment_values(op, q, rowptr, segments);
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor gc = grad_o.contiguous(), pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
