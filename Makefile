@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP := build/.installed-$(shell $(PYTHON) -c "import sys; print(sys.implementation.cache_tag)")
 SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
 
-.PHONY: install demo test bench cuda-check triton-check clean
+.PHONY: install demo test bench cuda-check cross-check triton-check clean
 
 install: $(STAMP)
 
@@ -28,6 +28,12 @@ bench: $(STAMP)
 # syntax-check the torch bindings; fails on a compile error or a register spill.
 cuda-check:
 	bash scripts/cuda_check.sh
+
+# Syntax-check the CPU extension with the aarch64 cross compiler (no ARM
+# machine needed): x86-only code outside its guards fails.  Needs
+# g++-aarch64-linux-gnu (CI installs it) and torch's headers.
+cross-check:
+	PYTHON=$(PYTHON) bash scripts/cross_check.sh
 
 # Compile every Triton kernel with every autotuning config for sm_90 (no GPU
 # needed); fails on a compile error or when no config of a setting fits the
