@@ -71,13 +71,22 @@ class NT(nn.Module):
         _check_x("NT", x, self.in_channels)
         csr = self._graphs("NT", graph, x.shape[0])
         x = self.encoder(x)
-        for norm, conv, ffn in zip(self.norms, self.convs, self.ffns):
-            nx = norm(x)
-            h = conv(nx, csr, edge_attr)
-            if self.sep:
-                h = torch.cat([nx, h], dim=-1)
-            x = x + ffn(h)
+        for index in range(self.num_layers):
+            x = self.block(index, x, csr, edge_attr)
         return self.predictor(x)
+
+    def block(self, index: int, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual block ``index`` on hidden features ``x`` (N, hidden): ``x + FFN([LayerNorm(x) |] conv(...))``.
+
+        ``forward`` is ``predictor(block(L-1, ... block(0, encoder(x)) ...))``;
+        layer-wise inference (``nt_kernels.apps.minibatch.layerwise_logits``)
+        calls the blocks one at a time on node batches.
+        """
+        nx = self.norms[index](x)
+        h = self.convs[index](nx, graph, edge_attr)
+        if self.sep:
+            h = torch.cat([nx, h], dim=-1)
+        return x + self.ffns[index](h)
 
     def extra_repr(self) -> str:
         return (f"directed={self.directed}, sep={self.sep}, hidden={self.hidden}, "
