@@ -84,8 +84,7 @@ def wrap(model: nn.Module, world: World) -> nn.Module:
     has broadcast rank 0's module state at wrap time, so re-broadcasting them
     before every forward would be wasted communication.
     ``find_unused_parameters=False``: every parameter of NT takes part in every
-    forward (an empty batch still reaches all weights through zero-size
-    products), so DDP need not walk the graph looking for unused ones.
+    forward, so DDP need not walk the autograd graph looking for unused ones.
     """
     if world.size == 1:
         return model
