@@ -4,6 +4,8 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 STAMP := build/.installed-$(shell $(PYTHON) -c "import sys; print(sys.implementation.cache_tag)")
 SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
+# Real graphs (tests, bench, train): $NT_KERNELS_DATA, by default the shared data next to the checkout.
+export NT_KERNELS_DATA ?= $(abspath ../shared/data/heterophilous)
 
 .PHONY: install demo test bench cuda-check cross-check triton-check clean
 
@@ -12,7 +14,7 @@ install: $(STAMP)
 $(STAMP): $(SOURCES)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
 	$(PYTHON) -m pip install "scikit-build-core>=0.10" ninja pybind11 "cmake>=3.24"
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,plot]"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,plot,triton]"
 	mkdir -p build && touch $@
 
 demo: $(STAMP)
@@ -22,7 +24,7 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
 
 bench: $(STAMP)
-	$(PYTHON) -m nt_kernels.cli bench --graph minesweeper
+	$(PYTHON) -m nt_kernels.cli bench --graph minesweeper --out bench/results
 
 # Compile every csrc/cuda/*.cu for sm_80 and sm_90 (no GPU needed) and
 # syntax-check the torch bindings; fails on a compile error or a register spill.

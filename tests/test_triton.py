@@ -1,19 +1,21 @@
 """Triton exact-attention kernels (nt_kernels.backends.triton) vs the loop reference.
 
-Without a GPU the kernels run on CPU tensors under TRITON_INTERPRET=1 (set in
-conftest.py), so every case is tiny; with a GPU the same cases run compiled on
-CUDA, plus the CUDA-only checks at the end (opcheck, torch.compile, bigger
-graphs, determinism).
+The kernels are the CUDA implementation of ``softmax_fwd_into`` /
+``softmax_bwd_into``.  Without a GPU they run on CPU tensors under
+TRITON_INTERPRET=1 (set in conftest.py), called through the backend functions,
+so every case is tiny; with a GPU the same cases run compiled on CUDA through
+the public op (the dispatcher picks the Triton kernels), plus the CUDA-only
+checks at the end (opcheck, torch.compile, bigger graphs, determinism).
 """
 import math
 
 import pytest
 import torch
 
-import nt_kernels  # noqa: F401  (registers the ops)
+import nt_kernels
 import nt_kernels.backends.triton.register as ntt
-from nt_kernels.backends.triton.plan import max_packed_tile
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, build_plan, describe_plan
+from nt_kernels.backends.triton.plan import (PLAN_BLOCK, SM90_SHARED_MEMORY, build_plan, describe_plan,
+                                             max_packed_tile, plan_length)
 from nt_reference.ops import segment_softmax_attention as reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -62,11 +64,23 @@ def assert_matches_reference(ours, q, k, v, rowptr, grad_o, scale=None):
         assert err <= 2 * torch_err + floor, f"{name}: {err} vs torch {torch_err}"
 
 
-def run_public(q, k, v, rowptr, grad_o, scale=None):
-    q, k, v = [x.detach().requires_grad_() for x in (q, k, v)]
-    o = ntt.segment_softmax(q, k, v, rowptr, scale)
-    o.backward(grad_o)
-    return [o.detach(), q.grad, k.grad, v.grad]
+def run_exact(q, k, v, rowptr, grad_o, scale=None):
+    """o, dq, dk, dv from the Triton kernels: through the public op on CUDA (forward and autograd),
+    through the backend functions on every segment on CPU (interpreter)."""
+    if HAS_CUDA:
+        q, k, v = [x.detach().requires_grad_() for x in (q, k, v)]
+        o = nt_kernels.segment_softmax_attention(q, k, v, rowptr, scale=scale)
+        o.backward(grad_o)
+        return [o.detach(), q.grad, k.grad, v.grad]
+    q, k, v = (x.detach().contiguous() for x in (q, k, v))
+    rowptr = rowptr.long()
+    segments = torch.arange(rowptr.numel() - 1, device=DEVICE)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, dq, dk, dv = (torch.zeros_like(q) for _ in range(4))
+    lse = torch.zeros(q.shape[:2], device=DEVICE)
+    ntt.softmax_fwd_into(o, lse, q, k, v, rowptr, segments, None, scale)
+    ntt.softmax_bwd_into(dq, dk, dv, grad_o.contiguous(), q, k, v, o, lse, rowptr, segments, None, scale)
+    return [o, dq, dk, dv]
 
 
 # ---------------------------------------------------------------- plan builder
@@ -130,10 +144,23 @@ def test_plan_capped_tile_height(max_tile):
     assert {n for _, n, _ in desc["multi"]} >= {max_tile + 1, PLAN_BLOCK}
 
 
+SM80_SHARED_MEMORY, SM86_SHARED_MEMORY = 166_912, 101_376
+
+
 def test_max_packed_tile():
     assert max_packed_tile(torch.float32, 128) == PLAN_BLOCK
     assert max_packed_tile(torch.float32, 129) == 32
     assert max_packed_tile(torch.bfloat16, 256) == PLAN_BLOCK
+
+
+@pytest.mark.parametrize("dtype, head_dim, tiles", [
+    (torch.float32, 64, (64, 64, 64)), (torch.float32, 128, (32, 64, 64)), (torch.float32, 256, (16, 32, 32)),
+    (torch.bfloat16, 128, (64, 64, 64)), (torch.bfloat16, 256, (32, 64, 64)), (torch.float16, 200, (32, 64, 64))])
+def test_max_packed_tile_follows_shared_memory(dtype, head_dim, tiles):
+    """Four TILE x BLOCK_D operands of the packed backward must fit the block's shared memory:
+    sm_86/sm_89 (99 KiB), sm_80 (163 KiB), sm_90 (227 KiB)."""
+    limits = (SM86_SHARED_MEMORY, SM80_SHARED_MEMORY, SM90_SHARED_MEMORY)
+    assert tuple(max_packed_tile(dtype, head_dim, limit) for limit in limits) == tiles
     with pytest.raises(ValueError, match="max_tile must be one of"):
         build_plan(make_rowptr([3]), torch.arange(1, device=DEVICE), max_tile=48)
 
@@ -159,7 +186,7 @@ def test_segment_softmax_matches_reference(dim, dtype):
     rowptr = make_rowptr(MIXED_SIZES)
     q, k, v = make_qkv(int(rowptr[-1]), 2, dim, dtype, seed=dim)
     grad_o = make_qkv(int(rowptr[-1]), 2, dim, dtype, seed=100 + dim)[0]
-    ours = run_public(q, k, v, rowptr, grad_o)
+    ours = run_exact(q, k, v, rowptr, grad_o)
     assert_matches_reference(ours, q, k, v, rowptr, grad_o)
 
 
@@ -169,15 +196,36 @@ def test_custom_scale_int32_rowptr_noncontiguous():
     q, k, v = make_qkv(num_rows, 3, 8, torch.float32, seed=7)
     q = torch.randn(3, num_rows, 8, device=DEVICE).transpose(0, 1)  # non-contiguous
     grad_o = make_qkv(num_rows, 3, 8, torch.float32, seed=8)[0]
-    ours = run_public(q, k, v, rowptr.to(torch.int32), grad_o, scale=0.7)
+    ours = run_exact(q, k, v, rowptr.to(torch.int32), grad_o, scale=0.7)
     assert_matches_reference(ours, q, k, v, rowptr, grad_o, scale=0.7)
 
 
 def test_empty_graph():
-    q, k, v = make_qkv(0, 2, 5, torch.float32, requires_grad=True)
-    o = ntt.segment_softmax(q, k, v, make_rowptr([0, 0]))
-    o.sum().backward()
-    assert o.shape == (0, 2, 5) and q.grad.shape == (0, 2, 5)
+    q, k, v = make_qkv(0, 2, 5, torch.float32)
+    o, dq, dk, dv = run_exact(q, k, v, make_rowptr([0, 0]), torch.zeros_like(q))
+    assert o.shape == dq.shape == dk.shape == dv.shape == (0, 2, 5)
+
+
+def test_plan_of_another_segment_list_is_rejected():
+    """A plan must be the one built for the segment list it comes with: a mismatch is an error,
+    not rows silently left unwritten."""
+    rowptr = make_rowptr(MIXED_SIZES)
+    num_rows = int(rowptr[-1])
+    segments = torch.tensor([15, 3, 0, 8], device=DEVICE)
+    q, k, v = make_qkv(num_rows, 2, 8, torch.float32, seed=13)
+    o, lse = torch.zeros_like(q), torch.zeros(num_rows, 2, device=DEVICE)
+    other = build_plan(rowptr, segments[:2], num_rows)
+    assert other.numel() == plan_length(2, num_rows, PLAN_BLOCK)
+    with pytest.raises(ValueError, match="softmax_fwd_into: plan does not match the segment list"):
+        ntt.softmax_fwd_into(o, lse, q, k, v, rowptr, segments, other, 0.5)
+    # float32 with head dim 200 runs packed tiles of at most 32 rows: a 64-row plan would leave rows unwritten.
+    wide = make_qkv(num_rows, 2, 200, torch.float32, seed=14)
+    tall = build_plan(rowptr, segments, num_rows, max_tile=PLAN_BLOCK)
+    with pytest.raises(ValueError, match="softmax_bwd_into: plan does not match the segment list"):
+        ntt.softmax_bwd_into(*(torch.zeros_like(wide[0]) for _ in range(3)), wide[0], *wide, wide[0], lse,
+                             rowptr, segments, tall, 0.5)
+    with pytest.raises(ValueError, match="plan must be a 1-D int64 tensor"):
+        ntt.softmax_fwd_into(o, lse, q, k, v, rowptr, segments, other.int(), 0.5)
 
 
 def test_nan_stays_in_its_segment():
@@ -186,7 +234,7 @@ def test_nan_stays_in_its_segment():
     q, k, v = make_qkv(int(rowptr[-1]), 1, 8, torch.float32, seed=5)
     v[3, 0, 2] = float("nan")  # row 0 of segment 1 (packed with segments 0 and 2)
     grad_o = torch.ones_like(q)
-    o, dq, dk, dv = run_public(q, k, v, rowptr, grad_o)
+    o, dq, dk, dv = run_exact(q, k, v, rowptr, grad_o)
     bad = slice(3, 7)
     for name, t in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isnan(t[bad]).any(), name
@@ -200,6 +248,7 @@ def test_nan_stays_in_its_segment():
 # -------------------------------------------- internal ops (segment subsets)
 
 def into_ops():
+    """The ops through the dispatcher on CUDA (Triton kernels), the backend functions on CPU."""
     if HAS_CUDA:
         return torch.ops.nt_kernels.softmax_fwd_into, torch.ops.nt_kernels.softmax_bwd_into
     return ntt.softmax_fwd_into, ntt.softmax_bwd_into
@@ -256,7 +305,7 @@ def test_cuda_larger_graphs(dim, dtype):
     rowptr = make_rowptr(random_graph(200, 40, dim))
     q, k, v = make_qkv(int(rowptr[-1]), 4, dim, dtype, seed=dim)
     grad_o = make_qkv(int(rowptr[-1]), 4, dim, dtype, seed=dim + 1)[0]
-    assert_matches_reference(run_public(q, k, v, rowptr, grad_o), q, k, v, rowptr, grad_o)
+    assert_matches_reference(run_exact(q, k, v, rowptr, grad_o), q, k, v, rowptr, grad_o)
 
 
 @pytest.mark.cuda
@@ -265,8 +314,8 @@ def test_cuda_backward_is_deterministic():
     rowptr = make_rowptr(random_graph(300, 60, 1))
     q, k, v = make_qkv(int(rowptr[-1]), 4, 32, torch.float32, seed=2)
     grad_o = make_qkv(int(rowptr[-1]), 4, 32, torch.float32, seed=3)[0]
-    first = run_public(q, k, v, rowptr, grad_o)
-    second = run_public(q, k, v, rowptr, grad_o)
+    first = run_exact(q, k, v, rowptr, grad_o)
+    second = run_exact(q, k, v, rowptr, grad_o)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -276,7 +325,12 @@ def test_cuda_backward_is_deterministic():
 def test_cuda_tf32_flag_stays_close():
     rowptr = make_rowptr(random_graph(100, 40, 4))
     q, k, v = make_qkv(int(rowptr[-1]), 2, 32, torch.float32, seed=4)
-    o = ntt.segment_softmax(q, k, v, rowptr, allow_tf32=True)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        o = nt_kernels.segment_softmax_attention(q, k, v, rowptr)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
     torch.testing.assert_close(o.double(), reference(q.double(), k.double(), v.double(), rowptr),
                                atol=2e-2, rtol=2e-2)
 
@@ -286,8 +340,11 @@ def test_cuda_tf32_flag_stays_close():
 def test_cuda_opcheck():
     rowptr = make_rowptr(MIXED_SIZES)
     q, k, v = make_qkv(int(rowptr[-1]), 2, 16, torch.float32, seed=9, requires_grad=True)
-    torch.library.opcheck(torch.ops.nt_kernels.triton_segment_softmax.default,
-                          (q, k, v, rowptr, 0.25, False))
+    segments = torch.arange(len(MIXED_SIZES), device=DEVICE)
+    plan = build_plan(rowptr, segments, int(rowptr[-1]))
+    none = torch.empty(0, dtype=torch.long, device=DEVICE)
+    torch.library.opcheck(torch.ops.nt_kernels.attention_fwd.default,
+                          (q, k, v, rowptr, segments, none, plan, None, 0.25, 1e-4))
 
 
 @pytest.mark.cuda
@@ -296,9 +353,13 @@ def test_cuda_compile_fullgraph():
     rowptr = make_rowptr(MIXED_SIZES)
     q, k, v = make_qkv(int(rowptr[-1]), 2, 16, torch.float32, seed=10)
     grad_o = make_qkv(int(rowptr[-1]), 2, 16, torch.float32, seed=11)[0]
-    compiled = torch.compile(ntt.segment_softmax, fullgraph=True)
+    csr = nt_kernels.NeighbourhoodCSR.from_edge_index(
+        torch.stack([torch.repeat_interleave(torch.arange(len(MIXED_SIZES)), torch.tensor(MIXED_SIZES)),
+                     torch.zeros(int(rowptr[-1]), dtype=torch.long)]).to(DEVICE), len(MIXED_SIZES))
+    nt_kernels.segment_softmax_attention(q, k, v, csr)  # builds the split and the plan outside the graph
+    compiled = torch.compile(lambda q, k, v: nt_kernels.segment_softmax_attention(q, k, v, csr), fullgraph=True)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    o = compiled(*leaves, rowptr)
+    o = compiled(*leaves)
     o.backward(grad_o)
     ours = [o.detach()] + [x.grad for x in leaves]
     assert_matches_reference(ours, q, k, v, rowptr, grad_o)

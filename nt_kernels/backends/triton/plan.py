@@ -41,9 +41,12 @@ header, so building a plan needs no host sync.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["PLAN_BLOCK", "TILE_HEIGHTS", "build_plan", "describe_plan", "max_packed_tile"]
+__all__ = ["PLAN_BLOCK", "SM90_SHARED_MEMORY", "TILE_HEIGHTS", "build_plan", "check_plan", "describe_plan",
+           "max_packed_tile", "plan_length", "shared_memory_per_block"]
 
 PLAN_MAGIC = 0x4E54_5031  # "NTP1"
 PLAN_BLOCK = 64
@@ -51,18 +54,45 @@ TILE_HEIGHTS = (16, 32, 64)
 HEADER = 16
 H_TILES, H_TILE_OFF, H_MULTI, H_MULTI_OFF, H_MAX_TILE = 1, 4, 7, 8, 9
 _NUM_KEYS = PLAN_BLOCK + 1  # group key = class * _NUM_KEYS + n
+SM90_SHARED_MEMORY = 232_448  # opt-in shared memory per block of sm_90, bytes
+PACKED_OPERANDS = 4  # TILE x BLOCK_D operands the packed backward keeps in shared memory
 
 
-def max_packed_tile(dtype: torch.dtype, head_dim: int) -> int:
-    """Tallest packed tile the kernels can run for this dtype and head dim.
+def max_packed_tile(dtype: torch.dtype, head_dim: int, shared_memory: int = SM90_SHARED_MEMORY) -> int:
+    """Tallest packed tile the kernels can run for this dtype, head dim and
+    shared memory per block (bytes; :func:`shared_memory_per_block`).
 
-    The packed backward holds four TILE x BLOCK_D operands in shared memory:
-    for float32 with BLOCK_D = 256 (head dims 129..256) a 64-row tile needs
-    262,144 B, over the 232,448 B per block of sm_90 (scripts/triton_check.py),
-    so such plans stop at 32-row tiles and send segments of 33..64 rows to the
-    multi-tile kernels (one 64-row block each).
+    The packed backward holds four TILE x BLOCK_D operands in shared memory
+    (BLOCK_D: the head dim padded to a power of two >= 16).  On sm_90
+    (232,448 B per block) float32 with BLOCK_D = 256 needs 262,144 B for a
+    64-row tile, so its plans stop at 32-row tiles; on sm_86 / sm_89
+    (101,376 B) float32 with BLOCK_D = 128 stops at 32 rows and BLOCK_D = 256
+    at 16.  Segments above the cap go to the multi-tile kernels (one
+    PLAN_BLOCK-row block each).  scripts/triton_check.py compiles the kernels
+    against each architecture's limit.
     """
-    return 32 if dtype == torch.float32 and head_dim > 128 else PLAN_BLOCK
+    padded = max(16, 1 << (int(head_dim) - 1).bit_length())
+    item = torch.empty((), dtype=dtype).element_size()
+    fitting = [t for t in TILE_HEIGHTS if PACKED_OPERANDS * t * padded * item <= shared_memory]
+    return fitting[-1] if fitting else TILE_HEIGHTS[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    value = getattr(props, "shared_memory_per_block_optin", None)
+    if value:
+        return int(value)
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Opt-in shared memory per block of a CUDA device, in bytes (sm_90's off CUDA, e.g. under the interpreter)."""
+    if device.type != "cuda":
+        return SM90_SHARED_MEMORY
+    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _size_class(n: int, max_tile: int) -> int:
@@ -90,6 +120,31 @@ def _multi_bound(num_rows: int, max_tile: int) -> int:
     return 2 * num_rows // (max_tile + 1) + 1
 
 
+def plan_length(num_segments: int, num_rows: int, max_tile: int) -> int:
+    """Length of a plan for ``num_segments`` segments of a CSR with ``num_rows`` rows and tile cap ``max_tile``."""
+    return HEADER + 4 * num_segments + 3 * _multi_bound(num_rows, max_tile)
+
+
+def check_plan(op: str, plan: torch.Tensor, segments: torch.Tensor, num_rows: int, max_tile: int) -> None:
+    """A plan handed to a kernel must be one built for ``segments`` (checked without a host sync).
+
+    Its length encodes the segment count, the row count and its tile cap, so a
+    plan of another segment list or graph, or one whose packed tiles are taller
+    than the launchers run for this dtype / head dim / device (``max_tile``),
+    is caught here instead of leaving rows unwritten.  Plans with a lower cap
+    are valid (their larger segments are multi-tile items).
+    """
+    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.int64 or plan.dim() != 1:
+        raise ValueError(f"{op}: plan must be a 1-D int64 tensor from build_plan")
+    if plan.device != segments.device:
+        raise ValueError(f"{op}: plan is on {plan.device} but the segments are on {segments.device}")
+    allowed = sorted({plan_length(segments.numel(), num_rows, t) for t in TILE_HEIGHTS if t <= max_tile})
+    if plan.numel() not in allowed:
+        raise ValueError(f"{op}: plan does not match the segment list: it has {plan.numel()} entries, a plan of "
+                         f"{segments.numel()} segments over E = {num_rows} rows with max_tile <= {max_tile} has "
+                         f"{' or '.join(map(str, allowed))}")
+
+
 def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | None = None,
                max_tile: int = PLAN_BLOCK):
     """Build the work list for ``segments`` (1-D int64 segment ids) of a CSR ``rowptr``.
@@ -98,7 +153,7 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
     given it is read from ``rowptr`` (one host sync).  ``max_tile`` (one of
     TILE_HEIGHTS, see :func:`max_packed_tile`) is the tallest packed tile;
     larger segments become multi-tile items.  Returns a 1-D int64 tensor on
-    ``rowptr``'s device.
+    ``rowptr``'s device, of length :func:`plan_length`.
     """
     if max_tile not in TILE_HEIGHTS:
         raise ValueError(f"build_plan: max_tile must be one of {TILE_HEIGHTS}, got {max_tile}")
@@ -108,10 +163,8 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
     if num_rows is None:
         num_rows = int(rowptr[-1])
     num_seg = seg.numel()
-    num_classes = len(TILE_HEIGHTS)
     multi_bound = _multi_bound(num_rows, max_tile)
-    tiles_off = HEADER
-    starts_off = tiles_off + 3 * num_seg
+    starts_off = HEADER + 3 * num_seg
     multi_off = starts_off + num_seg
     if num_seg == 0:
         header = torch.zeros(HEADER, dtype=torch.int64, device=device)
@@ -124,19 +177,49 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
     start = rowptr[seg]
     size = rowptr[seg + 1] - start
     cls = _class_table(device, max_tile)[size.clamp(max=PLAN_BLOCK + 1)]
-    packed = (cls >= 0) & (cls < num_classes)
+    # Steps 2-4: packed segments grouped by (class, size), then cut into tiles.
+    sorted_starts, group_count, group_first = _packed_groups(start, size, cls)
+    tiles, class_tiles, class_first = _packed_tiles(group_count, group_first, num_seg, starts_off)
+    # Step 5: multi-tile items.
+    multi, num_items = _multi_items(start, size, cls, multi_bound)
+    # Step 6: header with the device-side counts and region offsets.
+    header = torch.cat([
+        torch.tensor([PLAN_MAGIC], dtype=torch.int64, device=device),
+        class_tiles,
+        HEADER + 3 * class_first,
+        num_items,
+        torch.tensor([multi_off, max_tile], dtype=torch.int64, device=device),
+        torch.zeros(HEADER - 10, dtype=torch.int64, device=device),
+    ])
+    return torch.cat([header, tiles, sorted_starts, multi])
 
-    # Step 2: group packed segments by (class, size); others go to a sentinel group.
+
+def _packed_groups(start: torch.Tensor, size: torch.Tensor, cls: torch.Tensor):
+    """Step 2: group packed segments by (class, size); others go to a sentinel group.
+
+    Returns the start rows sorted by group, and per group its segment count
+    and the index of its first segment in that order.
+    """
+    num_classes = len(TILE_HEIGHTS)
     num_groups = num_classes * _NUM_KEYS
+    packed = (cls >= 0) & (cls < num_classes)
     key = torch.where(packed, cls * _NUM_KEYS + size, torch.full_like(size, num_groups))
     order = torch.argsort(key, stable=True)
-    sorted_starts = start[order]
-    group_count = torch.zeros(num_groups + 1, dtype=torch.int64, device=device)
+    group_count = torch.zeros(num_groups + 1, dtype=torch.int64, device=start.device)
     group_count.scatter_add_(0, key, torch.ones_like(key))
     group_count = group_count[:num_groups]
-    group_first = torch.cumsum(group_count, 0) - group_count
+    return start[order], group_count, torch.cumsum(group_count, 0) - group_count
 
-    # Step 3: tiles per group: k = T // n segments of size n per tile.
+
+def _packed_tiles(group_count: torch.Tensor, group_first: torch.Tensor, num_seg: int, starts_off: int):
+    """Steps 3-4: k = T // n segments of size n per tile; one (first, count, n) entry per tile.
+
+    The tile region has ``num_seg`` entries (an upper bound on the tiles);
+    returns it with the tile count and first tile index of every class.
+    """
+    device = group_count.device
+    num_classes = len(TILE_HEIGHTS)
+    num_groups = num_classes * _NUM_KEYS
     gid = torch.arange(num_groups, device=device)
     group_n = gid % _NUM_KEYS
     heights = torch.tensor(TILE_HEIGHTS, dtype=torch.int64, device=device)
@@ -145,36 +228,28 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
     tile_end = torch.cumsum(group_tiles, 0)
     class_tiles = group_tiles.view(num_classes, _NUM_KEYS).sum(1)
     class_first = torch.cumsum(class_tiles, 0) - class_tiles
-
-    # Step 4: expand to one (first, count, n) entry per tile (region sized K >= #tiles).
     t = torch.arange(num_seg, device=device)
     g = torch.searchsorted(tile_end, t, right=True).clamp(max=num_groups - 1)
     local = t - (tile_end[g] - group_tiles[g])
     first = group_first[g] + local * per_tile[g]
     count = torch.minimum(per_tile[g], group_count[g] - local * per_tile[g])
     tiles = torch.stack([starts_off + first, count, group_n[g]], 1).reshape(-1)
+    return tiles, class_tiles, class_first
 
-    # Step 5: multi-tile items, one per PLAN_BLOCK rows, largest segments first.
-    blocks = torch.where(cls == num_classes, (size + PLAN_BLOCK - 1) // PLAN_BLOCK, 0)
+
+def _multi_items(start: torch.Tensor, size: torch.Tensor, cls: torch.Tensor, multi_bound: int):
+    """Step 5: one (start row, n, block index) item per PLAN_BLOCK rows of the
+    multi-tile segments, largest segments first; ``multi_bound`` entries and the
+    true item count (a 1-element tensor)."""
+    blocks = torch.where(cls == len(TILE_HEIGHTS), (size + PLAN_BLOCK - 1) // PLAN_BLOCK, 0)
     big_order = torch.argsort(-blocks, stable=True)
     big_blocks = blocks[big_order]
     item_end = torch.cumsum(big_blocks, 0)
-    u = torch.arange(multi_bound, device=device)
-    idx = torch.searchsorted(item_end, u, right=True).clamp(max=num_seg - 1)
+    u = torch.arange(multi_bound, device=start.device)
+    idx = torch.searchsorted(item_end, u, right=True).clamp(max=start.numel() - 1)
     block = u - (item_end[idx] - big_blocks[idx])
     big_seg = big_order[idx]
-    multi = torch.stack([start[big_seg], size[big_seg], block], 1).reshape(-1)
-
-    # Step 6: header with the device-side counts and region offsets.
-    header = torch.cat([
-        torch.tensor([PLAN_MAGIC], dtype=torch.int64, device=device),
-        class_tiles,
-        tiles_off + 3 * class_first,
-        item_end[-1:],
-        torch.tensor([multi_off, max_tile], dtype=torch.int64, device=device),
-        torch.zeros(HEADER - 10, dtype=torch.int64, device=device),
-    ])
-    return torch.cat([header, tiles, sorted_starts, multi])
+    return torch.stack([start[big_seg], size[big_seg], block], 1).reshape(-1), item_end[-1:]
 
 
 def describe_plan(plan: torch.Tensor) -> dict:

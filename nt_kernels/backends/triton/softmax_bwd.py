@@ -21,13 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.plan import PLAN_BLOCK
-from nt_kernels.backends.triton.softmax_fwd import (
-    H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, block_d, configs, dot_precision,
-    cast, finite_or_zero, load_rows, mm, nonfinite_rows, num_programs, packed_classes, packed_rows,
-    segment_any,
-    bf16_emulation,
-)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C,
+                                               bf16_emulation, block_d, cast, configs, dot_precision,
+                                               finite_or_zero, load_rows, mm, nonfinite_rows, num_programs,
+                                               packed_classes, packed_rows, segment_any)
+from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
 
 
 @triton.jit
@@ -167,26 +165,24 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         store_rows(dv_ptr, kv_offs, k_valid, d, D, dv, BF16_EMU)
 
 
-def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False,
-                wrap=lambda kernel: kernel):
+def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False):
     """Write dq, dk, dv (E, H, D) for the rows named in ``plan``.
 
-    ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D)`` (the
-    packed classes above it are not launched).
-
-    ``wrap`` is ``torch.library.wrap_triton`` when called from a triton_op.
+    ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
+    shared_memory_per_block(q.device))`` (the packed classes above it are not
+    launched).
     """
     E, H, D = q.shape
     grid = (num_programs(q.device),)
     scale = float(scale)
     meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
                 BF16_EMU=bf16_emulation(q.dtype))
-    for c, tile in packed_classes(q.dtype, D):
-        wrap(_bwd_packed_kernel)[grid](q, k, v, grad_o, lse, dq, dk, dv, plan, H, D,
+    for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
+        _bwd_packed_kernel[grid](q, k, v, grad_o, lse, dq, dk, dv, plan, H, D,
                                        scale, scale * LOG2E, CLASS=c, TILE=tile, **meta)
     # Multi-tile segments: dQ pass (writes delta), then the dK/dV pass.
     delta = torch.empty((E, H), dtype=torch.float32, device=q.device)
-    wrap(_bwd_dq_kernel)[grid](q, k, v, o, grad_o, lse, delta, dq, plan, H, D, scale,
+    _bwd_dq_kernel[grid](q, k, v, o, grad_o, lse, delta, dq, plan, H, D, scale,
                                scale * LOG2E, BLOCK_M=PLAN_BLOCK, **meta)
-    wrap(_bwd_dkdv_kernel)[grid](q, k, v, grad_o, lse, delta, dk, dv, plan, H, D, scale,
+    _bwd_dkdv_kernel[grid](q, k, v, grad_o, lse, delta, dk, dv, plan, H, D, scale,
                                  scale * LOG2E, BLOCK_N=PLAN_BLOCK, **meta)

@@ -15,127 +15,14 @@ Both store o and the float32 log-sum-exp (natural log, scaled scores).
 """
 from __future__ import annotations
 
-import math
-import os
-
-import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton import plan as plan_layout
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, TILE_HEIGHTS, max_packed_tile
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
-LOG2E_C = tl.constexpr(LOG2E)
-H_TILES = tl.constexpr(plan_layout.H_TILES)
-H_TILE_OFF = tl.constexpr(plan_layout.H_TILE_OFF)
-H_MULTI = tl.constexpr(plan_layout.H_MULTI)
-H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
-
-
-def configs(inner_blocks=(32, 64), warps=(4, 8), inner_name="BLOCK_N"):
-    """A small autotuning set; one fixed config under the interpreter."""
-    if INTERPRET:
-        return [triton.Config({inner_name: PLAN_BLOCK} if inner_name else {}, num_warps=4)]
-    return [
-        triton.Config({inner_name: b} if inner_name else {}, num_warps=w, num_stages=s)
-        for b in (inner_blocks if inner_name else (None,))
-        for w in warps
-        for s in (1, 2)
-    ]
-
-
-def num_programs(device: torch.device, per_sm: int = 32) -> int:
-    """Persistent grid size: a few waves of programs per SM (4 under the interpreter)."""
-    if INTERPRET or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-
-
-def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
-    """float32 runs in full precision ("ieee") unless TF32 is asked for."""
-    return "tf32" if (dtype == torch.float32 and allow_tf32 and not INTERPRET) else "ieee"
-
-
-def bf16_emulation(dtype: torch.dtype) -> bool:
-    """Under the interpreter (triton 3.9) tl.dot multiplies bfloat16 bit
-    patterns as integers and fp32 -> bf16 casts truncate.  There bf16 kernels
-    emulate the GPU instead: exact float32 dots of the bf16 operands (what the
-    tensor cores compute: exact products, fp32 sums) and casts rounded to
-    nearest even by hand."""
-    return INTERPRET and dtype == torch.bfloat16
-
-
-def packed_classes(dtype: torch.dtype, d: int) -> list[tuple[int, int]]:
-    """(class, tile height) of the packed classes a plan for this dtype and
-    head dim can hold (``max_packed_tile``); the launchers run only these."""
-    return [(c, t) for c, t in enumerate(TILE_HEIGHTS) if t <= max_packed_tile(dtype, d)]
-
-
-def block_d(d: int) -> int:
-    """Head dim padded (in registers only) to a power of two >= 16."""
-    return max(16, triton.next_power_of_2(d))
-
-
-@triton.jit
-def packed_rows(plan, t, tab, TILE: tl.constexpr):
-    """Rows of packed tile t: (row index, local segment id, valid mask) per tile row."""
-    entry = tab + 3 * t
-    first = tl.load(plan + entry)
-    count = tl.load(plan + entry + 1).to(tl.int32)
-    n = tl.load(plan + entry + 2).to(tl.int32)
-    r = tl.arange(0, TILE)
-    seg = r // n
-    valid = seg < count
-    start = tl.load(plan + first + seg, mask=valid, other=0)
-    return start + (r - seg * n), seg, valid
-
-
-@triton.jit
-def mm(a, b, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    """a @ b with float32 accumulation."""
-    if BF16_EMU:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=DOT_PREC)
-
-
-@triton.jit
-def cast(x, dtype: tl.constexpr, BF16_EMU: tl.constexpr):
-    """x.to(dtype), rounded to nearest even (by hand under the bf16 emulation)."""
-    if BF16_EMU:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(dtype)
-    return x.to(dtype)
-
-
-@triton.jit
-def load_rows(ptr, offs, valid, d, D):
-    """Load (rows x BLOCK_D) with padding columns and invalid rows as 0."""
-    mask = valid[:, None] & (d[None, :] < D)
-    return tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def nonfinite_rows(x):
-    """1 for rows holding a NaN or infinity, else 0."""
-    bad = tl.abs(x.to(tl.float32)) < float("inf")
-    return tl.max(tl.where(bad, 0, 1), axis=1)
-
-
-@triton.jit
-def finite_or_zero(x):
-    """x with NaN/inf replaced by 0, so 0-weights never pick them up across segments."""
-    return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), x, tl.zeros_like(x))
-
-
-@triton.jit
-def segment_any(flag, same):
-    """For each row, whether ``flag`` is set on any row of its segment."""
-    return tl.max(tl.where(same, flag[None, :], 0), axis=1) > 0
-
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, block_d,
+                                               bf16_emulation, cast, configs, dot_precision, finite_or_zero,
+                                               load_rows, mm, nonfinite_rows, num_programs, packed_classes,
+                                               packed_rows, segment_any)
+from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
 
 @triton.autotune(configs=configs(inner_name=None), key=["D", "TILE"])
 @triton.jit
@@ -215,24 +102,18 @@ def _fwd_multi_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
         tl.store(lse_ptr + (start + qi) * H + h, (m_i + tl.log2(l_i)) * LN2, mask=q_valid)
 
 
-def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, wrap=lambda kernel: kernel):
+def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False):
     """Write o (E, H, D) and lse (E, H) float32 for the rows named in ``plan``.
 
-    ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D)`` (the
-    packed classes above it are not launched).
-
-    ``wrap`` is ``torch.library.wrap_triton`` when called from a triton_op.
+    ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
+    shared_memory_per_block(q.device))`` (the packed classes above it are not
+    launched).
     """
     _, H, D = q.shape
     grid = (num_programs(q.device),)
     args = (q, k, v, o, lse, plan, H, D, float(scale) * LOG2E)
     meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
                 BF16_EMU=bf16_emulation(q.dtype))
-    for c, tile in packed_classes(q.dtype, D):
-        wrap(_fwd_packed_kernel)[grid](*args, CLASS=c, TILE=tile, **meta)
-    wrap(_fwd_multi_kernel)[grid](*args, BLOCK_M=PLAN_BLOCK, **meta)
-
-
-def default_scale(d: int, scale) -> float:
-    """DESIGN §4: scale = D^-1/2 unless given."""
-    return 1.0 / math.sqrt(d) if scale is None else float(scale)
+    for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
+        _fwd_packed_kernel[grid](*args, CLASS=c, TILE=tile, **meta)
+    _fwd_multi_kernel[grid](*args, BLOCK_M=PLAN_BLOCK, **meta)
