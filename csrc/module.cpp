@@ -1,13 +1,17 @@
 // Python module nt_kernels._C: importing it loads the op registrations
 // (TORCH_LIBRARY blocks in csrc/ops, csrc/cpu, csrc/cuda); build_info() tells
-// `nt-kernels info` what this build contains.
+// `nt-kernels info` what this build contains; MAX_HEAD_DIM is the head-dim
+// limit of every kernel, shared with the Python checks.
 #include <pybind11/pybind11.h>
 #include <torch/version.h>
+
+#include "ops/checks.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "nt-kernels compiled ops (registered under torch.ops.nt_kernels)";
+  m.attr("MAX_HEAD_DIM") = nt_kernels::MAX_HEAD_DIM;
   m.def("build_info", []() {
     py::dict info;
 #ifdef NT_WITH_CUDA

@@ -215,3 +215,60 @@ def test_csr_of_another_graph_is_rejected():
     csr = NeighbourhoodCSR.from_edge_index(torch.tensor([[0, 1], [1, 0]]))
     with pytest.raises(ValueError, match="segment_softmax_attention: csr has E = 2 packed rows but q has 5"):
         nk.segment_softmax_attention(q, k, v, csr)
+
+
+# ------------------------------------------------------------ autocast, autograd hygiene
+@pytest.mark.parametrize("name", list(OPS))
+def test_autocast_cpu_bfloat16_runs_in_bfloat16(name):
+    """Under CPU bf16 autocast, float32 q, k, v (and a float32 projection) run in bfloat16, like SDPA:
+    the same result as the op on inputs cast by hand, and gradients reach the float32 leaves."""
+    ours, _ = OPS[name]
+    q, k, v, rowptr, projection = make_inputs(SIZES, dtype=torch.float32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(q, k, v, rowptr, projection)
+    by_hand = ours(*(t.detach().bfloat16() for t in (q, k, v)), rowptr, projection.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, by_hand, atol=0, rtol=0)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+def test_projection_changed_in_place_before_backward_raises():
+    """The projection is saved for backward: changing it in place (e.g. reset_parameters redrawing a
+    buffer) makes backward raise instead of returning gradients of another function."""
+    q, k, v, rowptr, projection = make_inputs(SIZES, requires_grad=True)
+    out = nk.neighbourhood_attention(q, k, v, rowptr, projection=projection)
+    projection.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_backward_returns_only_the_gradients_asked_for():
+    q, k, v, rowptr, projection = make_inputs(SIZES)
+    q.requires_grad_(True)
+    out = nk.neighbourhood_attention(q, k, v, rowptr, projection=projection)
+    grads = out.grad_fn.apply(torch.ones_like(out), None)
+    assert grads[0] is not None and grads[0].shape == q.shape
+    assert all(g is None for g in grads[1:])
+
+
+def test_head_dim_limit_is_the_extensions():
+    """One head-dim limit: defined in C++ (csrc/ops/checks.h), exported as _C.MAX_HEAD_DIM, used by the
+    Python checks; the C++ op enforces the same bound for direct torch.ops callers."""
+    from nt_kernels import _C
+    from nt_kernels.ops import _checks
+
+    assert _checks.MAX_HEAD_DIM == _C.MAX_HEAD_DIM == 256
+    rowptr = torch.tensor([0, 2])
+    for dim, ok in ((_C.MAX_HEAD_DIM, True), (_C.MAX_HEAD_DIM + 1, False)):
+        q = torch.randn(2, 1, dim)
+        if ok:
+            nk.segment_softmax_attention(q, q, q, rowptr)
+            torch.ops.nt_kernels.attention_fwd(q, q, q, rowptr, torch.arange(1), torch.arange(0), None, None,
+                                               1.0, 1e-4)
+            continue
+        with pytest.raises(ValueError, match=f"head dim D must be in 1..{_C.MAX_HEAD_DIM}, got {dim}"):
+            nk.segment_softmax_attention(q, q, q, rowptr)
+        with pytest.raises(RuntimeError, match=f"attention_fwd: head dim D must be in 1..{_C.MAX_HEAD_DIM}"):
+            torch.ops.nt_kernels.attention_fwd(q, q, q, rowptr, torch.arange(1), torch.arange(0), None, None,
+                                               1.0, 1e-4)

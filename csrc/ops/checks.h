@@ -5,6 +5,9 @@
 
 namespace nt_kernels {
 
+// Largest head dim D any kernel accepts; Python reads it as nt_kernels._C.MAX_HEAD_DIM.
+constexpr int64_t MAX_HEAD_DIM = 256;
+
 inline void check_packed(const char* op, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& rowptr) {
   TORCH_CHECK(q.dim() == 3, op, ": q must be (E, H, D), got ", q.sizes());
@@ -15,6 +18,8 @@ inline void check_packed(const char* op, const at::Tensor& q, const at::Tensor& 
               v.scalar_type());
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device() && rowptr.device() == q.device(),
               op, ": q, k, v and rowptr must be on one device");
+  TORCH_CHECK(q.size(2) >= 1 && q.size(2) <= MAX_HEAD_DIM, op, ": head dim D must be in 1..", MAX_HEAD_DIM,
+              ", got ", q.size(2));
   TORCH_CHECK(rowptr.dim() == 1 && rowptr.numel() >= 1, op, ": rowptr must be 1-D with S+1 >= 1 entries");
   TORCH_CHECK(rowptr.scalar_type() == at::kLong, op, ": rowptr must be int64, got ", rowptr.scalar_type());
 }

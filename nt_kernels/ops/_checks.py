@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from nt_kernels._extension import extension
 from nt_kernels.csr import NeighbourhoodCSR, check_rowptr_values
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = extension().MAX_HEAD_DIM  # defined once, in csrc/ops/checks.h
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

@@ -50,20 +50,23 @@ for _name in ("softmax_fwd_into", "softmax_bwd_into", "performer_fwd_into", "per
 def _setup_context(ctx, inputs, output):
     q, k, v, rowptr, exact_segments, performer_segments, exact_plan, projection, scale, eps = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, rowptr, exact_segments, performer_segments)
-    ctx.exact_plan = exact_plan
-    ctx.projection = projection
+    # Every tensor goes through save_for_backward, the projection and the plan
+    # included: an in-place change before backward then raises instead of
+    # giving gradients of the wrong function.
+    ctx.save_for_backward(q, k, v, o, lse, rowptr, exact_segments, performer_segments, exact_plan, projection)
     ctx.scale = scale
     ctx.eps = eps
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_o, grad_lse):
-    q, k, v, o, lse, rowptr, exact_segments, performer_segments = ctx.saved_tensors
-    dq, dk, dv = _OPS.attention_bwd(grad_o, q, k, v, o, lse, rowptr, exact_segments,
-                                    performer_segments, ctx.exact_plan, ctx.projection,
-                                    ctx.scale, ctx.eps)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    needed = ctx.needs_input_grad[:3]
+    if not any(needed):
+        return (None,) * 10
+    q, k, v, o, lse, rowptr, exact_segments, performer_segments, exact_plan, projection = ctx.saved_tensors
+    grads = _OPS.attention_bwd(grad_o, q, k, v, o, lse, rowptr, exact_segments, performer_segments,
+                               exact_plan, projection, ctx.scale, ctx.eps)
+    return (*(g if need else None for g, need in zip(grads, needed)), *(None,) * 7)
 
 
 torch.library.register_autograd("nt_kernels::attention_fwd", _backward, setup_context=_setup_context)
@@ -76,6 +79,37 @@ def _rowptr_of(op: str, csr_or_rowptr, q: torch.Tensor):
         _checks.check_csr(op, csr_or_rowptr, q)
         return csr_or_rowptr.rowptr, csr_or_rowptr
     return _checks.check_rowptr(op, csr_or_rowptr, q), None
+
+
+def _autocast_dtype(device_type: str):
+    """The autocast dtype when ``torch.autocast`` is on for this device type, else None."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know, e.g. meta
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
+def _autocast(q, k, v):
+    """Under ``torch.autocast`` on q's device, float32 q, k, v run in the autocast dtype.
+
+    This is PyTorch's rule for attention (``scaled_dot_product_attention`` is
+    on autocast's lower-precision list); other dtypes are left alone.  The
+    Performer projection then follows q's dtype (:func:`_projection_for`).
+    """
+    dtype = _autocast_dtype(q.device.type) if isinstance(q, torch.Tensor) else None
+    if dtype is None:
+        return q, k, v
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+                 for t in (q, k, v))
+
+
+def _projection_for(op: str, projection, q: torch.Tensor) -> torch.Tensor:
+    """The checked projection; under autocast a floating projection is cast to q's dtype."""
+    if (isinstance(projection, torch.Tensor) and projection.is_floating_point() and projection.dtype != q.dtype
+            and _autocast_dtype(q.device.type) is not None):
+        projection = projection.to(q.dtype)
+    return _checks.check_projection(op, projection, q)
 
 
 def _default_scale(q: torch.Tensor, scale):
@@ -97,7 +131,7 @@ def segment_softmax_attention(q, k, v, rowptr, *, scale=None) -> torch.Tensor:
     ``scale`` defaults to D^-1/2.  Returns o of q's shape and dtype.
     """
     op = "segment_softmax_attention"
-    q, k, v = _checks.check_qkv(op, q, k, v)
+    q, k, v = _checks.check_qkv(op, *_autocast(q, k, v))
     rowptr, csr = _rowptr_of(op, rowptr, q)
     exact = _all_segments(rowptr) if csr is None else csr.segment_split(math.inf)[0]
     o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, _no_segments(rowptr),
@@ -113,9 +147,9 @@ def segment_performer_attention(q, k, v, rowptr, projection, *, eps=DEFAULT_EPS)
     :func:`orthogonal_random_features`; it receives no gradient.
     """
     op = "segment_performer_attention"
-    q, k, v = _checks.check_qkv(op, q, k, v)
+    q, k, v = _checks.check_qkv(op, *_autocast(q, k, v))
     rowptr, _ = _rowptr_of(op, rowptr, q)
-    projection = _checks.check_projection(op, projection, q)
+    projection = _projection_for(op, projection, q)
     o, _ = _OPS.attention_fwd(q, k, v, rowptr, _no_segments(rowptr), _all_segments(rowptr), None,
                               projection, _default_scale(q, None), float(eps))
     return o
@@ -132,7 +166,7 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
     split is cached on it, so repeated calls make no host sync.
     """
     op = "neighbourhood_attention"
-    q, k, v = _checks.check_qkv(op, q, k, v)
+    q, k, v = _checks.check_qkv(op, *_autocast(q, k, v))
     rowptr, csr = _rowptr_of(op, csr_or_rowptr, q)
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                   or math.isnan(threshold) or threshold < 0):
@@ -143,7 +177,7 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
                              "Performer path; pass projection= or threshold=math.inf")
         threshold = math.inf
     else:
-        projection = _checks.check_projection(op, projection, q)
+        projection = _projection_for(op, projection, q)
         if threshold is None:
             threshold = switch_threshold(projection.shape[0], q.shape[2])
     if csr is not None:
