@@ -22,6 +22,39 @@ def check_rowptr_values(op: str, rowptr: torch.Tensor, num_rows: int) -> None:
         raise ValueError(f"{op}: rowptr[-1] must equal the number of packed rows E = {num_rows}, got {last}")
 
 
+def _check_fields(rowptr, perm, receiver, num_nodes, max_degree) -> None:
+    """Checks of a directly built :class:`NeighbourhoodCSR` (structure first, then values with one host sync)."""
+    op = "NeighbourhoodCSR"
+    for name, value in (("num_nodes", num_nodes), ("max_degree", max_degree)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{op}: {name} must be an int >= 0, got {value!r}")
+    for name, t in (("rowptr", rowptr), ("perm", perm), ("receiver", receiver)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or t.dtype != torch.int64:
+            raise ValueError(f"{op}: {name} must be a 1-D int64 tensor, got shape {tuple(t.shape)} {t.dtype}")
+        if t.device != rowptr.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but rowptr is on {rowptr.device}")
+    if rowptr.numel() != num_nodes + 1:
+        raise ValueError(f"{op}: rowptr must have num_nodes + 1 = {num_nodes + 1} entries, got {rowptr.numel()}")
+    num_rows = perm.numel()
+    if receiver.numel() != num_rows:
+        raise ValueError(f"{op}: receiver must have E = {num_rows} entries (perm's length), got {receiver.numel()}")
+    check_rowptr_values(op, rowptr, num_rows)
+    zero = rowptr[:1].sum() * 0
+    largest, bad_perm, low_receiver = torch.stack([
+        torch.diff(rowptr).max() if num_nodes else zero,
+        (torch.sort(perm).values != torch.arange(num_rows, device=perm.device)).any().long(),
+        receiver.min() if num_rows else zero,
+    ]).tolist()
+    if bad_perm:
+        raise ValueError(f"{op}: perm must be a permutation of 0..E-1 (E = {num_rows})")
+    if low_receiver < 0:
+        raise ValueError(f"{op}: receiver has a negative node index ({low_receiver})")
+    if largest != max_degree:
+        raise ValueError(f"{op}: max_degree must be the largest segment size {largest}, got {max_degree}")
+
+
 class NeighbourhoodCSR:
     """A graph's messages packed by centre node.
 
@@ -30,16 +63,33 @@ class NeighbourhoodCSR:
     ``perm[p] = e``; rows of centre j are ``rowptr[j]:rowptr[j + 1]`` in their
     original edge order (stable sort).  Execution plans built for this graph
     are cached on the object (``plan``), never in module-level globals.
+
+    Built directly, every field is checked (one host sync): ``rowptr`` (N+1,)
+    int64 from 0 to E, non-decreasing; ``perm`` (E,) int64 a permutation of
+    0..E-1; ``receiver`` (E,) int64 non-negative; all on one device;
+    ``max_degree`` the largest segment size.  :meth:`from_edge_index` builds
+    valid fields by construction.
     """
 
     def __init__(self, rowptr: torch.Tensor, perm: torch.Tensor, receiver: torch.Tensor,
                  num_nodes: int, max_degree: int):
+        _check_fields(rowptr, perm, receiver, num_nodes, max_degree)
+        self._set(rowptr, perm, receiver, num_nodes, max_degree)
+
+    def _set(self, rowptr, perm, receiver, num_nodes, max_degree) -> None:
         self.rowptr = rowptr
         self.perm = perm
         self.receiver = receiver
         self.num_nodes = num_nodes
         self.max_degree = max_degree
         self._plans: dict = {}
+
+    @classmethod
+    def _trusted(cls, rowptr, perm, receiver, num_nodes: int, max_degree: int) -> "NeighbourhoodCSR":
+        """A CSR from fields valid by construction (the factories below), without the checks."""
+        csr = cls.__new__(cls)
+        csr._set(rowptr, perm, receiver, num_nodes, max_degree)
+        return csr
 
     @classmethod
     def from_edge_index(cls, edge_index: torch.Tensor, num_nodes: int | None = None) -> "NeighbourhoodCSR":
@@ -73,7 +123,7 @@ class NeighbourhoodCSR:
         rowptr = torch.zeros(num_nodes + 1, dtype=torch.long, device=edge_index.device)
         torch.cumsum(degree, 0, out=rowptr[1:])
         max_degree = int(degree.max()) if num_nodes else 0
-        return cls(rowptr, perm, receiver[perm], num_nodes, max_degree)
+        return cls._trusted(rowptr, perm, receiver[perm], num_nodes, max_degree)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -132,8 +182,8 @@ class NeighbourhoodCSR:
     def to(self, device) -> "NeighbourhoodCSR":
         """A copy on ``device`` (plans are rebuilt there lazily)."""
         device = torch.device(device)
-        return NeighbourhoodCSR(self.rowptr.to(device), self.perm.to(device), self.receiver.to(device),
-                                self.num_nodes, self.max_degree)
+        return NeighbourhoodCSR._trusted(self.rowptr.to(device), self.perm.to(device), self.receiver.to(device),
+                                         self.num_nodes, self.max_degree)
 
     def __repr__(self) -> str:
         return (f"NeighbourhoodCSR(num_nodes={self.num_nodes}, num_edges={self.num_edges}, "

@@ -106,3 +106,43 @@ def test_pack_rejects_wrong_row_count():
         csr.pack(torch.zeros(9, 2))
     with pytest.raises(ValueError, match="NeighbourhoodCSR.unpack: expected a tensor with E = 10 rows"):
         csr.unpack(torch.zeros(11))
+
+
+def _fields(**overrides):
+    """Fields of a valid 2-node, 3-row CSR, with overrides."""
+    fields = dict(rowptr=torch.tensor([0, 2, 3]), perm=torch.tensor([1, 0, 2]), receiver=torch.tensor([1, 0, 0]),
+                  num_nodes=2, max_degree=2)
+    fields.update(overrides)
+    return fields
+
+
+def test_direct_construction_keeps_valid_fields():
+    csr = NeighbourhoodCSR(**_fields())
+    assert csr.num_edges == 3 and csr.degree.tolist() == [2, 1] and csr.centre.tolist() == [0, 0, 1]
+    empty = NeighbourhoodCSR(torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long), 0, 0)
+    assert empty.num_edges == 0
+
+
+@pytest.mark.parametrize("overrides, error, match", [
+    (dict(rowptr=[0, 2, 3]), TypeError, "rowptr must be a torch.Tensor"),
+    (dict(rowptr=torch.tensor([0, 2, 3], dtype=torch.int32)), ValueError, "rowptr must be a 1-D int64 tensor"),
+    (dict(perm=torch.tensor([[1, 0, 2]])), ValueError, "perm must be a 1-D int64 tensor"),
+    (dict(receiver=torch.tensor([1.0, 0.0, 0.0])), ValueError, "receiver must be a 1-D int64 tensor"),
+    (dict(receiver=torch.tensor([1, 0, 0], device="meta")), ValueError, "receiver is on meta but rowptr is on cpu"),
+    (dict(num_nodes=3), ValueError, r"rowptr must have num_nodes \+ 1 = 4 entries, got 3"),
+    (dict(num_nodes=-1), ValueError, "num_nodes must be an int >= 0"),
+    (dict(receiver=torch.tensor([1, 0])), ValueError, r"receiver must have E = 3 entries"),
+    (dict(rowptr=torch.tensor([1, 2, 3])), ValueError, r"rowptr\[0\] must be 0"),
+    (dict(rowptr=torch.tensor([0, 3, 2])), ValueError, "rowptr must be non-decreasing"),
+    (dict(rowptr=torch.tensor([0, 2, 4])), ValueError, r"rowptr\[-1\] must equal the number of packed rows E = 3"),
+    (dict(perm=torch.tensor([1, 1, 2])), ValueError, r"perm must be a permutation of 0\.\.E-1"),
+    (dict(perm=torch.tensor([1, 0, 3])), ValueError, r"perm must be a permutation of 0\.\.E-1"),
+    (dict(receiver=torch.tensor([1, -1, 0])), ValueError, r"receiver has a negative node index \(-1\)"),
+    (dict(max_degree=1), ValueError, "max_degree must be the largest segment size 2, got 1"),
+], ids=["rowptr-list", "rowptr-int32", "perm-2d", "receiver-float", "device", "num-nodes", "negative-num-nodes",
+        "receiver-length", "rowptr-start", "rowptr-order", "rowptr-end", "perm-duplicate", "perm-range",
+        "receiver-negative", "max-degree"])
+def test_direct_construction_checks_fields(overrides, error, match):
+    with pytest.raises(error, match=f"NeighbourhoodCSR: {match}"):
+        NeighbourhoodCSR(**_fields(**overrides))
