@@ -35,34 +35,24 @@ def brute_split(sizes, counts, i, j):
     return min(cuts)
 
 
-def brute_algorithm1(sizes, counts, alpha, performer):
-    """Algorithm 1 with the optimal cut found by brute force at every step."""
-    groups = [(0, len(sizes) - 1)]
+def brute_partition(sizes, counts, alpha, threshold):
+    """Size split, then Algorithm 1 over one queue holding both size groups (DESIGN §9), with the
+    optimal cut found by brute force at every step; a stop ends the whole run."""
+    limit = math.inf if threshold is None else threshold
+    split = sum(1 for n in sizes if n > limit)  # sizes are descending: Performer sizes come first
+    groups = [(i, j, i < split) for i, j in ((0, split - 1), (split, len(sizes) - 1)) if i <= j]
     while True:
-        areas = [area(sizes[i : j + 1], counts[i : j + 1]) for i, j in groups]
+        areas = [sub_area(sizes, counts, i, j) for i, j, _ in groups]
         pos = areas.index(max(areas))
-        i, j = groups[pos]
+        i, j, performer = groups[pos]
         if i == j:
             break
         best, t = brute_split(sizes, counts, i, j)
         if best >= alpha * areas[pos]:
             break
-        groups[pos : pos + 1] = [(i, t), (t + 1, j)]
-    return [
-        Group(sizes[i], sizes[j], sum(counts[i : j + 1]), sub_area(sizes, counts, i, j), performer)
-        for i, j in groups
-    ]
-
-
-def brute_partition(sizes, counts, alpha, threshold):
-    limit = math.inf if threshold is None else threshold
-    out = []
-    for performer in (True, False):
-        idx = [i for i, n in enumerate(sizes) if (n > limit) == performer]
-        if idx:
-            part_sizes, part_counts = [sizes[i] for i in idx], [counts[i] for i in idx]
-            out += brute_algorithm1(part_sizes, part_counts, alpha, performer)
-    return out
+        groups[pos : pos + 1] = [(i, t, performer), (t + 1, j, performer)]
+    return [Group(sizes[i], sizes[j], sum(counts[i : j + 1]), sub_area(sizes, counts, i, j), performer)
+            for i, j, performer in groups]
 
 
 def prefix_of(counts):
@@ -147,16 +137,13 @@ def test_alpha_near_zero_keeps_only_the_size_split(hist, threshold):
 @settings(max_examples=200, deadline=None)
 @given(histograms, st.one_of(st.none(), st.integers(0, 60)))
 def test_alpha_one_splits_until_the_largest_group_is_a_single_size(hist, threshold):
-    """alpha = 1 accepts every split (max(s1, s2) < s for any cut), so each size
-    group stops only at line 6: when its largest-area group holds one size."""
+    """alpha = 1 accepts every split (max(s1, s2) < s for any cut), so the run
+    stops only at line 6: when the largest-area group of both size groups holds one size."""
     sizes, counts = hist
     groups = partition_by_area(sizes, counts, 1.0, threshold)
-    for performer in (True, False):
-        part = [g for g in groups if g.performer == performer]
-        if part:
-            largest = max(g.area for g in part)
-            selected = next(g for g in part if g.area == largest)  # ties: larger sizes first
-            assert selected.hi == selected.lo
+    largest = max(g.area for g in groups)
+    selected = next(g for g in groups if g.area == largest)  # ties: larger sizes first
+    assert selected.hi == selected.lo
 
 
 def test_alpha_one_reaches_single_sizes_when_areas_allow():
@@ -188,15 +175,29 @@ def test_stops_when_largest_group_is_atomic():
     assert groups == [Group(100, 100, 1, 100, False), Group(2, 1, 20, 40, False)]
 
 
-def test_size_groups_are_partitioned_independently():
-    # The Performer group {500} is atomic and has the largest area; the exact
-    # group is still partitioned by its own run of Algorithm 1.
+def test_atomic_performer_group_stops_the_exact_group_too():
+    # One queue holds both size groups: the Performer group {500} is atomic and
+    # has the largest area, so the run ends (line 6) and the exact group
+    # {8, 2} (area 2640, splittable into 240 and 600) stays whole.
     groups = partition_by_area([500, 8, 2], [10, 30, 300], alpha=0.9, threshold=10)
-    assert groups == [
-        Group(500, 500, 10, 5000, True),
-        Group(8, 8, 30, 240, False),
-        Group(2, 2, 300, 600, False),
-    ]
+    assert groups == [Group(500, 500, 10, 5000, True), Group(8, 2, 330, 2640, False)]
+
+
+def test_refused_split_stops_the_other_size_group():
+    # The Performer group {500, 400} (area 10000) is the largest; its best split
+    # (5000, 4000) is refused at alpha = 0.4 (line 12), so nothing else is split:
+    # the exact group {8, 2} (best split 240, 600 < 0.4 * 2640) stays whole.
+    groups = partition_by_area([500, 400, 8, 2], [10, 10, 30, 300], alpha=0.4, threshold=10)
+    assert groups == [Group(500, 400, 20, 10000, True), Group(8, 2, 330, 2640, False)]
+    # Without the Performer group the same exact group is split.
+    assert partition_by_area([8, 2], [30, 300], alpha=0.4, threshold=10) == [
+        Group(8, 8, 30, 240, False), Group(2, 2, 300, 600, False)]
+
+
+def test_partition_by_area_is_exported_from_the_package():
+    import nt_kernels
+
+    assert nt_kernels.partition_by_area is partition_by_area and nt_kernels.Group is Group
 
 
 def test_threshold_inf_and_zero_force_one_path():
