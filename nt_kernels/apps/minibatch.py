@@ -19,7 +19,7 @@ from torch_geometric.data import Data
 from nt_kernels.apps.distributed import World, shard_sampler
 from nt_kernels.apps.sampling import nt_loader
 
-__all__ = ["MiniBatchEpoch", "add_arguments", "batch_options", "layerwise_logits", "load_checkpoint",
+__all__ = ["MiniBatchEpoch", "add_arguments", "batch_options", "eval_loader", "layerwise_logits", "load_checkpoint",
            "parse_num_neighbors", "pyg_data", "save_checkpoint", "split_path"]
 
 
@@ -70,20 +70,23 @@ class MiniBatchEpoch:
         return float(total / count)
 
 
-@torch.no_grad()
-def layerwise_logits(model: nn.Module, x: torch.Tensor, edge_index: torch.Tensor, num_nodes: int,
-                     batch_size: int) -> torch.Tensor:
-    """Eval-mode logits of an :class:`~nt_kernels.nn.NT`, one layer at a time over batches of ``batch_size`` nodes.
+def eval_loader(edge_index: torch.Tensor, num_nodes: int, batch_size: int):
+    """Every node in batches of ``batch_size``, each with its whole-neighbourhood two-hop subgraph (one layer)."""
+    return nt_loader(pyg_data(edge_index, num_nodes), [-1], batch_size=batch_size)
 
-    Each block runs on the two-hop subgraph of a node batch with whole
-    neighbourhoods (``nt_loader`` with ``-1``), reading the previous layer's
+
+@torch.no_grad()
+def layerwise_logits(model: nn.Module, x: torch.Tensor, loader) -> torch.Tensor:
+    """Eval-mode logits of an :class:`~nt_kernels.nn.NT`, one layer at a time over the node batches of ``loader``.
+
+    ``loader`` is an :func:`eval_loader`.  Each block runs on the
+    whole-neighbourhood subgraph of a node batch, reading the previous layer's
     features of every node; so the result equals the full-graph forward while
     only one batch's subgraph is in memory at a time.
     """
     if not hasattr(model, "block"):
         raise ValueError(f"layerwise_logits: needs an NT (with encoder, block and predictor), "
                          f"got {type(model).__name__}")
-    loader = nt_loader(pyg_data(edge_index, num_nodes), [-1], batch_size=batch_size)
     h = model.encoder(x)
     for index in range(model.num_layers):
         out = torch.empty_like(h)
