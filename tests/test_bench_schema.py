@@ -197,6 +197,21 @@ def test_results_markdown_and_plot(tmp_path):
     assert docs_dir / "results.md" in written
 
 
+def test_outputs_default_to_the_current_directory(tmp_path, monkeypatch):
+    """The installed package never writes into the repository: without --out / --docs-dir the JSON,
+    the figure and results.md land in the current directory."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--graph", "synthetic-minesweeper", "--scale", "0.01", "--repeats", "1",
+                              "--warmup", "0", "--in-process", "--backends", "sequential", "--plot"])
+    assert args.func(args) == 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert len([n for n in written if n.endswith(".json")]) == 1
+    assert "results.md" in written and any(n.startswith("efficiency-") and n.endswith(".png") for n in written)
+
+
 def test_replace_block_keeps_other_text():
     text = "# Results\n\nintro\n"
     once = bench_plot.replace_block(text, "k", "one")

@@ -27,13 +27,12 @@ from nt_kernels.bench import measure as bm
 
 SCHEMA_VERSION = 1
 REAL_GRAPHS = ("minesweeper", "tolokers")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CAP_GB = 10.0
 DEFAULT_REFERENCE_MAX_EDGES = 20_000
 DESCRIPTION = ("Measure forward and forward+backward time, peak memory and error of the fused op, the loop "
                "reference and the paper's parallel / by-size / partitioned(alpha) / sequential strategies "
                "(plus FlexAttention and nested-tensor SDPA on CUDA) on the same inputs; write one JSON per "
-               "graph to bench/results/ and print a table.")
+               "graph (to --out, default the current directory) and print a table.")
 
 
 # ----------------------------------------------------------------- device
@@ -361,11 +360,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--in-process", action="store_true",
                    help="measure in this process (fast; CPU peak memory is then a lower bound)")
     p.add_argument("--data-root", default=None, help="directory of the real graphs' npz files")
-    p.add_argument("--out", default=None, help="JSON file (one graph) or directory (default bench/results/)")
+    p.add_argument("--out", default=None, help="JSON file (one graph) or directory (default: the current directory)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="measure nothing: print, plot and tabulate these result files")
-    p.add_argument("--plot", action="store_true", help="draw the efficiency figure and update docs/results.md")
-    p.add_argument("--docs-dir", default=str(REPO_ROOT / "docs"), help="where --plot writes (default docs/)")
+    p.add_argument("--plot", action="store_true",
+                   help="draw the efficiency figures and update results.md in --docs-dir")
+    p.add_argument("--docs-dir", default=".",
+                   help="where --plot writes the figures and results.md (default: the current directory)")
     p.set_defaults(func=run)
     return p
 
@@ -375,7 +376,7 @@ def run(args) -> int:
         docs = [(json.loads(Path(f).read_text()), Path(f)) for f in args.from_json]
     else:
         names = graph_names(args.graph)
-        out = Path(args.out) if args.out else REPO_ROOT / "bench" / "results"
+        out = Path(args.out) if args.out else Path.cwd()
         if len(names) > 1 and out.suffix == ".json":
             raise SystemExit("bench: --out must be a directory when several graphs are measured")
         docs = []

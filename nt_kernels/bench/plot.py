@@ -1,13 +1,16 @@
-"""The paper's efficiency figure re-drawn for bench results, and the tables of docs/results.md.
+"""The paper's efficiency figure re-drawn for bench results, and the tables of a results page.
 
-:func:`publish` takes result documents of ``nt-kernels bench`` and
+:func:`publish` takes result documents of ``nt-kernels bench`` and, in the
+docs directory it is given (``--docs-dir``; the repository's docs/ when run
+from the checkout as ``make bench`` does),
 
-* draws one PNG per result document (docs/efficiency-<result name>.png): bars are peak
+* draws one PNG per result document (efficiency-<result name>.png): bars are peak
   memory (log scale), the curve is forward+backward time, across the paper's
   parallel, by-size, partitioned(alpha) and sequential strategies, with our
   fused op as its own bar and a dashed line at its time;
-* writes or replaces one marked block per result file in docs/results.md, and
-  the summary block that lists every result file of ``bench/results/``.
+* writes or replaces one marked block per result file in results.md, and
+  the summary block that lists every result file of the results directory
+  (by default the one holding the published documents).
 """
 from __future__ import annotations
 
@@ -177,10 +180,14 @@ def replace_block(text: str, key: str, body: str) -> str:
 
 
 def publish(docs: list[tuple[dict, Path]], docs_dir: Path, results_dir: Path | None = None) -> list[Path]:
-    """Draw the figures and update docs/results.md; returns the paths written."""
-    from nt_kernels.bench.cli import REPO_ROOT
+    """Draw the figures and update ``docs_dir``/results.md; returns the paths written.
 
-    results_dir = results_dir or REPO_ROOT / "bench" / "results"
+    The summary block lists the result files of ``results_dir`` (default: the
+    directory of the first published document).
+    """
+    if results_dir is None:
+        results_dir = docs[0][1].parent if docs else Path(".")
+    docs_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_efficiency([doc], docs_dir / f"efficiency-{path.stem}.png") for doc, path in docs]
     md = docs_dir / "results.md"
     text = md.read_text() if md.is_file() else "# Results\n"

@@ -48,10 +48,18 @@ class GraphData:
 
 
 def default_data_root() -> Path:
-    """$NT_KERNELS_DATA if set, else ``../shared/data/heterophilous`` next to the checkout."""
-    if os.environ.get(DATA_ROOT_ENV):
-        return Path(os.environ[DATA_ROOT_ENV])
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "heterophilous"
+    """The data root named by ``$NT_KERNELS_DATA``.
+
+    There is no fallback computed from where the package is installed: without
+    the variable (and without an explicit ``root`` / ``data_root`` /
+    ``--data-root``) this raises FileNotFoundError saying how to set it.
+    """
+    value = os.environ.get(DATA_ROOT_ENV)
+    if not value:
+        raise FileNotFoundError(
+            f"no data root: pass root= / data_root= (--data-root on the command line) or set ${DATA_ROOT_ENV} "
+            f"to the folder holding the npz files, e.g. export {DATA_ROOT_ENV}=/path/to/data/heterophilous")
+    return Path(value)
 
 
 def to_undirected(edge_index: torch.Tensor, num_nodes: int) -> torch.Tensor:
