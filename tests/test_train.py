@@ -1,4 +1,4 @@
-"""Datasets, the training loop (fused vs reference), metrics, presets, the train CLI and the demo."""
+"""Datasets, the training loop (fused vs reference), metrics, the train CLI and the demo (presets: test_presets.py)."""
 import argparse
 import itertools
 import json
@@ -10,9 +10,9 @@ import torch
 
 import nt_reference.nn as ref
 from nt_kernels.data import default_data_root
-from nt_kernels.data.datasets import DATASETS, HETEROPHILOUS, load_dataset, monophily_graph
+from nt_kernels.data.datasets import load_dataset, monophily_graph
 from nt_kernels.nn import NT
-from nt_kernels.apps.train import PRESETS, TrainConfig, add_parser, demo_training, preset, roc_auc, score, train_split
+from nt_kernels.apps.train import TrainConfig, add_parser, demo_training, roc_auc, score, train_split
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -120,17 +120,6 @@ def test_roc_auc_matches_pairwise_count():
     assert math.isnan(roc_auc(torch.ones(3), torch.rand(3)))
     logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
     assert score(logits, torch.tensor([0, 1, 0])) == pytest.approx(2 / 3)
-
-
-def test_presets_cover_the_paper_table():
-    assert set(DATASETS) <= set(PRESETS)
-    assert {f"{name}-directed" for name in HETEROPHILOUS} <= set(PRESETS)
-    assert preset("minesweeper") == TrainConfig("sum", 53, 1, 5, 0.2)
-    assert preset("tolokers", directed=True) == TrainConfig("gated_sum", 9, 4, 4, 0.2, directed=True)
-    assert preset("wikics") == TrainConfig("mean", 38, 1, 3, 0.2)
-    assert all(p.lr == 1e-3 and p.epochs == 2500 and p.patience == 500 for p in PRESETS.values())
-    with pytest.raises(ValueError, match="preset: no paper preset for 'wikics-directed'"):
-        preset("wikics", directed=True)
 
 
 def parse(argv):

@@ -13,69 +13,26 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nt_kernels.data.datasets import DATASETS, SELF_LOOPS, load_dataset, monophily_graph
-from nt_kernels.nn import ATTENTIONS, BACKENDS, NT
+from nt_kernels.apps import presets
+from nt_kernels.apps import minibatch
+from nt_kernels.apps.distributed import World, current, init_from_env, shutdown, wrap
+from nt_kernels.apps.minibatch import (MiniBatchEpoch, batch_options, eval_loader, layerwise_logits, load_checkpoint,
+                                       pyg_data, save_checkpoint, split_path)
+from nt_kernels.apps.sampling import check_num_neighbors
+from nt_kernels.apps.presets import PRESETS, TrainConfig, preset
+from nt_kernels.data.datasets import DATASETS, load_dataset, monophily_graph
+from nt_kernels.nn import BACKENDS, NT
 
 __all__ = ["PRESETS", "TrainConfig", "add_parser", "demo_training", "preset", "roc_auc", "run", "score",
            "train_split"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Hyperparameters of one run; ``head_dim * heads`` is the hidden width."""
-
-    aggr: str = "weighted_mean"
-    head_dim: int = 8
-    heads: int = 4
-    num_layers: int = 2
-    dropout: float = 0.2
-    directed: bool = False
-    sep: bool = False
-    attention: str = "switch"
-    gate_group: str = "receiver"
-    lr: float = 1e-3
-    epochs: int = 2500
-    patience: int = 500
-
-
-def _paper(aggr, head_dim, heads, num_layers, dropout, directed=False):
-    return TrainConfig(aggr, head_dim, heads, num_layers, dropout, directed)
-
-
-# Appendix table "Hyperparameters of NT on 10 graphs": aggregator, dimensions per head, heads, layers, dropout.
-PRESETS = {
-    "roman-empire": _paper("sum", 32, 6, 5, 0.4),
-    "amazon-ratings": _paper("mean", 40, 8, 1, 0.3),
-    "minesweeper": _paper("sum", 53, 1, 5, 0.2),
-    "tolokers": _paper("gated_sum", 30, 2, 5, 0.1),
-    "questions": _paper("sum", 32, 4, 1, 0.2),
-    "roman-empire-directed": _paper("max", 36, 5, 5, 0.4, True),
-    "amazon-ratings-directed": _paper("max", 23, 7, 4, 0.4, True),
-    "minesweeper-directed": _paper("sum", 15, 2, 5, 0.1, True),
-    "tolokers-directed": _paper("gated_sum", 9, 4, 4, 0.2, True),
-    "questions-directed": _paper("gated_sum", 27, 7, 1, 0.3, True),
-    "amazon-computers": _paper("sum", 17, 4, 5, 0.4),
-    "amazon-photo": _paper("mean", 18, 7, 4, 0.6),
-    "coauthor-cs": _paper("weighted_mean", 41, 8, 2, 0.3),
-    "coauthor-physics": _paper("weighted_mean", 16, 2, 2, 0.1),
-    "wikics": _paper("mean", 38, 1, 3, 0.2),
-}
-
-
-def preset(dataset: str, directed: bool = False) -> TrainConfig:
-    """The paper's hyperparameters for ``dataset`` (its directed variant when ``directed``)."""
-    key = f"{dataset}-directed" if directed else dataset
-    if key not in PRESETS:
-        raise ValueError(f"preset: no paper preset for {key!r}; choose from {sorted(PRESETS)}")
-    return PRESETS[key]
 
 
 def roc_auc(labels: torch.Tensor, scores: torch.Tensor) -> float:
@@ -99,50 +56,100 @@ def score(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=torch.float32, backend="fused",
-                seed: int = 0, progress: bool = False, model: nn.Module | None = None) -> dict:
+                seed: int = 0, progress: bool = False, model: nn.Module | None = None, batch_size: int | None = None,
+                num_neighbors=None, eval_batch_size: int | None = None, save=None, resume=None) -> dict:
     """Train one model on split ``split`` of ``data``; returns scores at the best validation epoch and the losses.
 
-    ``model`` replaces the NT of ``config`` (it is called as ``model(x, csr)``).  The NT is
+    ``model`` replaces the NT of ``config`` (it is called as ``model(x, graph)``).  The NT is
     initialised, and the training run (dropout) seeded, with ``seed + split``.
+
+    Full batch by default.  With ``batch_size`` (or under ``torchrun`` with
+    several processes) every epoch takes one optimizer step per batch of
+    training seeds, each batch a NeighborLoader subgraph with ``num_neighbors``
+    (one fan-out per layer, default -1: whole neighbourhoods); ranks train on
+    disjoint shards through DDP (:mod:`nt_kernels.apps.distributed`).
+    Evaluation is full-batch, or layer-wise over node batches of
+    ``eval_batch_size``.  ``save``: checkpoint path written (by rank 0) at every
+    new best validation score; ``resume``: checkpoint to continue from.
     """
     from tqdm.auto import tqdm
 
+    world = current()
     torch.manual_seed(seed + split)
     data = data.to(device)
     x = data.x.to(dtype)
-    train, val, test = data.train_mask[split], data.val_mask[split], data.test_mask[split]
-    num_classes = int(data.y.max()) + 1
+    val, test = data.val_mask[split], data.test_mask[split]
     if model is None:
-        model = NT(x.shape[1], num_classes, config.head_dim * config.heads, config.num_layers, heads=config.heads,
-                   dropout=config.dropout, directed=config.directed, sep=config.sep, aggr=config.aggr,
-                   attention=config.attention, gate_group=config.gate_group, backend=backend)
+        model = NT(x.shape[1], int(data.y.max()) + 1, config.head_dim * config.heads, config.num_layers,
+                   heads=config.heads, dropout=config.dropout, directed=config.directed, sep=config.sep,
+                   aggr=config.aggr, attention=config.attention, gate_group=config.gate_group, backend=backend)
     model = model.to(device=device, dtype=dtype)
-    torch.manual_seed(seed + split)
+    torch.manual_seed(seed + split + (world.rank << 32))
     graph = model.prepare(data.edge_index, data.num_nodes) if hasattr(model, "prepare") else data.edge_index
+    step = _training_step(model, data, x, graph, split, config, world, seed, batch_size, num_neighbors)
+    nodes = None if eval_batch_size is None else eval_loader(data.edge_index, data.num_nodes, eval_batch_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    best = {"epoch": -1, "val": -math.inf, "test": math.nan}
-    losses = []
-    start = time.perf_counter()
-    bar = tqdm(range(config.epochs), desc=f"{data.name} split {split}", disable=not progress, leave=False)
+    best, losses, first = {"epoch": -1, "val": -math.inf, "test": math.nan}, [], 0
+    if resume is not None:
+        restored = load_checkpoint(resume, model, optimizer, config=asdict(config), split=split)
+        best, losses = {key: restored[key] for key in ("epoch", "val", "test")}, restored["losses"]
+        first = restored["epoch"] + 1
+    trained = wrap(model, world)
+    start, train_seconds, epochs_run = time.perf_counter(), 0.0, 0
+    bar = tqdm(range(first, config.epochs), desc=f"{data.name} split {split}",
+               disable=not (progress and world.is_main), leave=False)
     for epoch in bar:
         model.train()
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x, graph)[train], data.y[train])
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+        tick = time.perf_counter()
+        losses.append(step(trained, optimizer, epoch))
+        train_seconds += time.perf_counter() - tick
+        epochs_run += 1
         model.eval()
         with torch.no_grad():
-            logits = model(x, graph)
+            logits = model(x, graph) if nodes is None else layerwise_logits(model, x, nodes)
         val_score = score(logits[val], data.y[val])
         if val_score > best["val"]:
             best = {"epoch": epoch, "val": val_score, "test": score(logits[test], data.y[test])}
+            if save is not None and world.is_main:
+                save_checkpoint(save, model, optimizer, config=asdict(config), split=split, losses=losses, **best)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", val=f"{val_score:.4f}", best_test=f"{best['test']:.4f}")
         if epoch - best["epoch"] >= config.patience:
             break
     seconds = time.perf_counter() - start
     return {"split": split, "best_epoch": best["epoch"], "val": best["val"], "test": best["test"],
-            "epochs": len(losses), "seconds_per_epoch": seconds / max(1, len(losses)), "losses": losses}
+            "epochs": len(losses), "epochs_run": epochs_run, "seconds_per_epoch": seconds / max(1, epochs_run),
+            "epochs_per_second": epochs_run / seconds if seconds > 0 else math.nan,
+            "train_seconds_per_epoch": train_seconds / max(1, epochs_run),
+            "batches_per_epoch": len(step) if isinstance(step, MiniBatchEpoch) else 1, "losses": losses}
+
+
+def _training_step(model, data, x, graph, split, config, world, seed, batch_size, num_neighbors):
+    """One epoch of training: a full-batch step, or a :class:`MiniBatchEpoch` over this rank's seed batches."""
+    train = data.train_mask[split]
+    if batch_size is None and world.size == 1:
+        if num_neighbors is not None:
+            raise ValueError("train: num_neighbors (--num-neighbors) needs batch_size (--batch-size)")
+
+        def full_batch(trained, optimizer, epoch):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(trained(x, graph)[train], data.y[train])
+            loss.backward()
+            optimizer.step()
+            return loss.item()
+        return full_batch
+    seeds = torch.nonzero(train).flatten()
+    if world.size > seeds.numel():
+        raise ValueError(f"train: {world.size} processes (torchrun --nproc-per-node) but split {split} has only "
+                         f"{seeds.numel()} training nodes; use at most that many processes")
+    if batch_size is None:
+        batch_size = -(-seeds.numel() // world.size)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"train: batch_size (--batch-size) must be an int >= 1, got {batch_size!r}")
+    layers = getattr(model, "num_layers", config.num_layers)
+    counts = check_num_neighbors((-1,) * layers if num_neighbors is None else num_neighbors, layers,
+                                 "train: num_neighbors (--num-neighbors)")
+    pyg = pyg_data(data.edge_index, data.num_nodes, x, data.y)
+    return MiniBatchEpoch(pyg, seeds, counts, batch_size, world, seed + split, x.device)
 
 
 def _mean_std(values):
@@ -156,70 +163,76 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--data-root", default=None, help="folder with the dataset files (default: $NT_KERNELS_DATA "
                         "or ../shared/data/heterophilous)")
-    parser.add_argument("--preset", choices=("paper", "none"), default="paper",
-                        help="paper: the appendix hyperparameters of the dataset; none: TrainConfig defaults")
-    parser.add_argument("--directed", action="store_true", help="keep edge directions and use Dir-NT")
     parser.add_argument("--splits", default=None, help="comma-separated split ids (default: the first 10)")
-    parser.add_argument("--epochs", type=int, default=None, help="maximum epochs (paper: 2500)")
-    parser.add_argument("--patience", type=int, default=None, help="early-stopping patience (paper: 500)")
-    for flag, kind in (("--aggr", str), ("--head-dim", int), ("--heads", int), ("--layers", int),
-                       ("--dropout", float), ("--lr", float)):
-        parser.add_argument(flag, type=kind, default=None, help="override the preset")
-    parser.add_argument("--attention", choices=ATTENTIONS, default=None)
-    parser.add_argument("--sep", action="store_true", help="concatenate ego- and neighbour-embeddings")
-    parser.add_argument("--self-loops", choices=SELF_LOOPS, default="keep")
+    presets.add_arguments(parser)
+    minibatch.add_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--backend", choices=BACKENDS, default="fused")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="split s is seeded with seed + s (default 0: the split index, as the released recipe)")
     parser.add_argument("--out", default=None, help="write the results as JSON to this file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
     return parser
 
 
-def _config_from_args(args) -> TrainConfig:
-    if args.preset == "paper":
-        config = preset(args.dataset, args.directed)
-    else:
-        config = replace(TrainConfig(), directed=args.directed)
-    overrides = {"aggr": args.aggr, "head_dim": args.head_dim, "heads": args.heads, "num_layers": args.layers,
-                 "dropout": args.dropout, "lr": args.lr, "attention": args.attention, "epochs": args.epochs,
-                 "patience": args.patience}
-    overrides = {key: value for key, value in overrides.items() if value is not None}
-    return replace(config, sep=args.sep or config.sep, **overrides)
-
-
 def run(args) -> int:
-    """Handler of ``nt-kernels train``: runs the splits, prints mean ± std, writes the JSON."""
-    config = _config_from_args(args)
-    data = load_dataset(args.dataset, args.data_root, directed=config.directed, self_loops=args.self_loops)
+    """Handler of ``nt-kernels train``: runs the splits, prints mean ± std, writes the JSON.
+
+    Under ``torchrun`` every process runs it in a process group (gloo on CPU,
+    NCCL on CUDA); only rank 0 prints and writes the JSON and checkpoints.
+    """
+    world = init_from_env(args.device)
+    try:
+        return _run(args, world)
+    finally:
+        shutdown()
+
+
+def _run(args, world: World) -> int:
+    log = print if world.is_main else _quiet
+    device = f"cuda:{world.local_rank}" if world.size > 1 and torch.device(args.device).type == "cuda" else args.device
+    config = presets.config_from_args(args)
+    data = load_dataset(args.dataset, args.data_root, directed=config.directed, self_loops=config.self_loops)
     available = data.train_mask.shape[0]
     splits = (list(range(min(10, available))) if args.splits is None
               else [int(s) for s in args.splits.split(",") if s.strip()])
     if not splits or any(not 0 <= s < available for s in splits):
         raise ValueError(f"train: --splits must name split ids in 0..{available - 1}, got {args.splits!r}")
+    options = batch_options(args, splits)
     metric = "roc_auc" if int(data.y.max()) + 1 == 2 else "accuracy"
     runs = []
     for split in splits:
-        result = train_split(data, split, config, device=args.device, dtype=DTYPES[args.dtype],
-                             backend=args.backend, seed=args.seed, progress=not args.no_progress)
+        result = train_split(data, split, config, device=device, dtype=DTYPES[args.dtype], backend=args.backend,
+                             seed=args.seed, progress=not args.no_progress, save=split_path(args.save, split),
+                             resume=split_path(args.resume, split), **options)
         runs.append({key: value for key, value in result.items() if key != "losses"})
-        print(f"{args.dataset} split {split}: val {result['val']:.4f} test {result['test']:.4f} "
-              f"(best epoch {result['best_epoch']}, {result['epochs']} epochs, "
-              f"{1e3 * result['seconds_per_epoch']:.1f} ms/epoch)")
+        log(f"{args.dataset} split {split}: val {result['val']:.4f} test {result['test']:.4f} "
+            f"(best epoch {result['best_epoch']}, {result['epochs']} epochs, "
+            f"{1e3 * result['seconds_per_epoch']:.1f} ms/epoch, {result['epochs_per_second']:.3g} epochs/s)")
     test_mean, test_std = _mean_std([r["test"] for r in runs])
     val_mean, val_std = _mean_std([r["val"] for r in runs])
     summary = {"dataset": args.dataset, "directed": config.directed, "preset": args.preset, "config": asdict(config),
-               "self_loops": args.self_loops, "metric": metric, "device": str(args.device), "dtype": args.dtype,
+               "self_loops": config.self_loops, "metric": metric, "device": str(args.device), "dtype": args.dtype,
                "backend": args.backend, "seed": args.seed, "splits": runs, "test_mean": test_mean,
                "test_std": test_std, "val_mean": val_mean, "val_std": val_std,
-               "seconds_per_epoch": statistics.fmean(r["seconds_per_epoch"] for r in runs)}
-    print(f"{args.dataset}: test {metric} {100 * test_mean:.2f} ± {100 * test_std:.2f} over {len(runs)} split(s)")
-    if args.out:
+               "seconds_per_epoch": statistics.fmean(r["seconds_per_epoch"] for r in runs),
+               "epochs_per_second": statistics.fmean(r["epochs_per_second"] for r in runs),
+               "world_size": world.size, "distributed_backend": world.backend, **options}
+    log(f"{args.dataset}: test {metric} {100 * test_mean:.2f} ± {100 * test_std:.2f} over {len(runs)} split(s)")
+    if args.preset == "paper" and presets.reported(args.dataset, config.directed):
+        summary["reported"] = presets.reported(args.dataset, config.directed)
+        log(f"(the released script reports {summary['reported'][0]:.2f} ± {summary['reported'][1]:.2f} over 10 "
+            "splits at the full recipe)")
+    if args.out and world.is_main:
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=2)
     return 0
+
+
+def _quiet(*args, **kwargs) -> None:
+    """``print`` of the ranks other than 0."""
 
 
 class _MLP(nn.Module):
