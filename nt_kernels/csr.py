@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["NeighbourhoodCSR", "check_rowptr_values"]
+__all__ = ["NeighbourhoodCSR", "check_rowptr_values", "receiver_csr", "reversed_csr", "split_segments"]
 
 
 def check_rowptr_values(op: str, rowptr: torch.Tensor, num_rows: int) -> None:
@@ -199,3 +199,28 @@ def split_segments(rowptr: torch.Tensor, threshold: float) -> tuple[torch.Tensor
         large = sizes > threshold
     small = (sizes > 0) & ~large
     return small.nonzero().flatten(), large.nonzero().flatten()
+
+
+def receiver_csr(csr: NeighbourhoodCSR, num_nodes: int) -> NeighbourhoodCSR:
+    """The packed rows of ``csr`` regrouped by receiver, over ``num_nodes`` receivers.
+
+    In the result, segment i holds the messages arriving at node i, its ``perm``
+    maps each receiver-ordered row to the centre-packed row of ``csr`` it comes
+    from, and its ``receiver`` field holds the sending centre.  Cached on ``csr``.
+    """
+    def build():
+        edges = torch.stack([csr.receiver, csr.centre])
+        return NeighbourhoodCSR.from_edge_index(edges, num_nodes)
+    return csr.plan(("nn.receiver_csr", num_nodes), build)
+
+
+def reversed_csr(csr: NeighbourhoodCSR, num_nodes: int) -> NeighbourhoodCSR:
+    """CSR of the reversed graph (every edge (j, k) becomes (k, j)), with edge ids of the original order.
+
+    Its ``perm`` indexes the original ``edge_index`` columns, so the same
+    ``edge_attr`` serves both directions (DirNT).  Cached on ``csr``.
+    """
+    def build():
+        original = csr.unpack(torch.stack([csr.receiver, csr.centre], dim=1))
+        return NeighbourhoodCSR.from_edge_index(original.t().contiguous(), num_nodes)
+    return csr.plan(("nn.reversed_csr", num_nodes), build)

@@ -12,11 +12,13 @@ import math
 import pytest
 import torch
 
-import nt_kernels
-import nt_kernels.backends.triton.register as ntt
-from nt_kernels.backends.triton.plan import (PLAN_BLOCK, SM90_SHARED_MEMORY, build_plan, describe_plan,
-                                             max_packed_tile, plan_length)
-from nt_reference.ops import segment_softmax_attention as reference
+pytest.importorskip("triton", reason="the optional dependency triton (nt-kernels[triton]) is not installed")
+
+import nt_kernels  # noqa: E402
+import nt_kernels.backends.triton.register as ntt  # noqa: E402
+from nt_kernels.backends.triton.plan import (  # noqa: E402
+    PLAN_BLOCK, SM90_SHARED_MEMORY, build_plan, describe_plan, max_packed_tile, plan_length)
+from nt_reference.ops import segment_softmax_attention as reference  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -11,7 +11,7 @@ module registers nothing by itself.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import torch
 
@@ -21,8 +21,12 @@ _registered = {"done": False, "triton": False}
 
 
 def has_triton() -> bool:
-    """Whether the optional dependency triton is installed (``pip install nt-kernels[triton]``)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether the optional dependency triton imports (``pip install nt-kernels[triton]``)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
 
 
 def triton_registered() -> bool:

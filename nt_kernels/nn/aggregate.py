@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.csr import NeighbourhoodCSR, receiver_csr, reversed_csr
 
 __all__ = ["AGGREGATORS", "GATED_AGGREGATORS", "GATE_GROUPS", "aggregate", "receiver_csr", "reversed_csr",
            "segment_max", "segment_softmax"]
@@ -19,31 +19,6 @@ __all__ = ["AGGREGATORS", "GATED_AGGREGATORS", "GATE_GROUPS", "aggregate", "rece
 AGGREGATORS = ("sum", "mean", "max", "weighted_mean", "gated_sum")
 GATED_AGGREGATORS = ("weighted_mean", "gated_sum")
 GATE_GROUPS = ("receiver", "centre")
-
-
-def receiver_csr(csr: NeighbourhoodCSR, num_nodes: int) -> NeighbourhoodCSR:
-    """The packed rows of ``csr`` regrouped by receiver, over ``num_nodes`` receivers.
-
-    In the result, segment i holds the messages arriving at node i, its ``perm``
-    maps each receiver-ordered row to the centre-packed row of ``csr`` it comes
-    from, and its ``receiver`` field holds the sending centre.  Cached on ``csr``.
-    """
-    def build():
-        edges = torch.stack([csr.receiver, csr.centre])
-        return NeighbourhoodCSR.from_edge_index(edges, num_nodes)
-    return csr.plan(("nn.receiver_csr", num_nodes), build)
-
-
-def reversed_csr(csr: NeighbourhoodCSR, num_nodes: int) -> NeighbourhoodCSR:
-    """CSR of the reversed graph (every edge (j, k) becomes (k, j)), with edge ids of the original order.
-
-    Its ``perm`` indexes the original ``edge_index`` columns, so the same
-    ``edge_attr`` serves both directions (DirNT).  Cached on ``csr``.
-    """
-    def build():
-        original = csr.unpack(torch.stack([csr.receiver, csr.centre], dim=1))
-        return NeighbourhoodCSR.from_edge_index(original.t().contiguous(), num_nodes)
-    return csr.plan(("nn.reversed_csr", num_nodes), build)
 
 
 def segment_softmax(scores: torch.Tensor, csr: NeighbourhoodCSR) -> torch.Tensor:
