@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import nt_kernels as nk
 from nt_kernels import NeighbourhoodCSR
-from nt_kernels.aggregate import aggregate, receiver_csr
+from nt_kernels.nn.aggregate import aggregate, receiver_csr
 from nt_reference.dropout import counter_dropout_mask
 from nt_reference.nn import ntconv_messages
 
@@ -243,6 +243,15 @@ def test_matches_reference_3000_row_hub(aggr, gate_group, attention, single_thre
     inp = Inputs(n, edge_index.shape[1], aggr, edge_attr=True, dim=2, m=2)
     assert_matches_reference(inp, edge_index, n, aggr=aggr, gate_group=gate_group,
                              **attention_kwargs(inp, attention))
+
+
+@needs_op
+@pytest.mark.parametrize("aggr, gate_group", AGGRS[2:4])
+def test_matches_reference_with_scale_and_eps(aggr, gate_group):
+    edge_index, n = mixed_graph()
+    inp = Inputs(n, edge_index.shape[1], aggr, edge_attr=True)
+    assert_matches_reference(inp, edge_index, n, aggr=aggr, gate_group=gate_group, projection=inp.projection,
+                             threshold=GIVEN_THRESHOLD, scale=0.3, eps=1e-2)
 
 
 def tied_inputs(num_nodes, num_edges, edge_attr):
