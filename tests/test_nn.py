@@ -340,3 +340,36 @@ def test_max_aggregation_empty_and_nan_receivers():
     assert not out[2:].any()
     out[1].sum().backward()
     torch.testing.assert_close(messages.grad, torch.tensor([[0.5, 0.0], [0.5, 1.0], [0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("attention", ["switch", "performer", "softmax"])
+def test_ntconv_under_cpu_bfloat16_autocast(attention):
+    """Mixed precision: the layer's float32 projection follows q's bfloat16 under autocast."""
+    edge_index = hub_graph(directed=False)
+    torch.manual_seed(0)
+    conv = NTConv(6, 8, attention=attention, **(dict(heads=2) if attention == "softmax" else CONV_KW))
+    x = torch.randn(NUM_NODES, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv(x, edge_index)
+    reference = conv(x, edge_index)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert (out.float() - reference).abs().max() <= 0.05 * reference.abs().max()
+    out.float().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in conv.parameters() if p.grad is not None)
+
+
+def test_nt_training_step_under_cpu_bfloat16_autocast():
+    edge_index = hub_graph(directed=False)
+    torch.manual_seed(0)
+    model = NT(6, 3, 8, 2, heads=2, nb_features=4, aggr="max")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(NUM_NODES, 6), torch.arange(NUM_NODES) % 3
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x, edge_index), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
