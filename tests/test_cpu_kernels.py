@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import nt_kernels  # noqa: F401  (loads the ops)
+from helpers import (TOLERANCE, assert_close, assert_within_twice_torch_error, max_error, packed, projection,
+                     rowptr_of)
 from nt_kernels.performer import default_nb_features, orthogonal_random_features, switch_threshold
 from nt_reference import ops as ref
 
@@ -20,9 +22,7 @@ OPS = torch.ops.nt_kernels
 EPS = 1e-4
 # Features per head capped so that thresholds (and the exact path's n^2) stay small for big D.
 MAX_FEATURES = 48
-FLOAT64_TOL = 1e-10
-FLOAT32_RTOL = 1e-5  # tolerance relative to the largest reference magnitude
-LOW_PRECISION_FLOOR = 1e-3  # absolute floor of the 2x-PyTorch-error rule (relative to magnitude)
+FLOAT64_TOL = TOLERANCE[torch.float64]
 HEADS = [1, 4]
 HEAD_DIMS = [1, 8, 9, 23, 53, 64, 128]
 
@@ -40,16 +40,12 @@ class Case:
     """Random packed q, k, v (float64) over segments of the given sizes, and a projection."""
 
     def __init__(self, sizes, heads, head_dim, *, seed=0, m=None):
-        gen = torch.Generator().manual_seed(seed)
         self.sizes = torch.tensor(sizes, dtype=torch.long)
-        self.rowptr = torch.zeros(len(sizes) + 1, dtype=torch.long)
-        self.rowptr[1:] = self.sizes.cumsum(0)
+        self.rowptr = rowptr_of(sizes)
         rows = int(self.rowptr[-1])
-        self.q, self.k, self.v, self.grad_o = (
-            torch.randn(rows, heads, head_dim, generator=gen, dtype=torch.float64) for _ in range(4)
-        )
+        self.q, self.k, self.v, self.grad_o = packed(rows, heads, head_dim, count=4, seed=seed)
         self.m = m or min(default_nb_features(head_dim), MAX_FEATURES)
-        self.projection = orthogonal_random_features(self.m, head_dim, generator=gen, dtype=torch.float64)
+        self.projection = projection(self.m, head_dim, seed=seed + 1)
         self.threshold = switch_threshold(self.m, head_dim)
         self.scale = head_dim**-0.5
         self.exact = torch.nonzero(self.sizes <= self.threshold).flatten()
@@ -97,15 +93,7 @@ def test_matches_reference(dtype, head_dim, heads):
     assert case.exact.numel() and case.performer.numel()
     for name, got, want in zip(NAMES, case.kernel(dtype), expected):
         assert got.dtype == dtype
-        if dtype == torch.float64:
-            torch.testing.assert_close(got, want, rtol=FLOAT64_TOL, atol=FLOAT64_TOL, msg=name)
-        else:
-            atol = FLOAT32_RTOL * max(1.0, want.abs().max().item())
-            torch.testing.assert_close(got.double(), want, rtol=FLOAT32_RTOL, atol=atol, msg=name)
-
-
-def max_error(got, want):
-    return (got.double() - want).abs().max().item()
+        assert_close(got, want, msg=name)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h}")
@@ -125,11 +113,8 @@ def test_low_precision_within_twice_pytorch_error(dtype, head_dim, heads):
     upcast = case.reference(dtype, compute_dtype=torch.float32)
     for name, got, want, torch_low, torch_up in zip(NAMES, case.kernel(dtype), exact, low, upcast):
         assert got.dtype == dtype and torch.isfinite(got).all(), name
-        torch_error = max_error(torch_low, want)
-        if not math.isfinite(torch_error):
-            torch_error = max_error(torch_up, want)
-        floor = LOW_PRECISION_FLOOR * want.abs().max().item()
-        assert max_error(got, want) <= 2 * torch_error + floor, name
+        torch_same_dtype = torch_low if math.isfinite(max_error(torch_low, want)) else torch_up
+        assert_within_twice_torch_error(got, torch_same_dtype, want, msg=name)
 
 
 @pytest.mark.parametrize("path", ["exact", "performer"])
@@ -142,10 +127,8 @@ def test_hub_segment(dtype, path):
     case.exact, case.performer = (all_segments, none) if path == "exact" else (none, all_segments)
     case.threshold = math.inf if path == "exact" else 0
     expected = case.reference(torch.float64)
-    tol = FLOAT64_TOL if dtype == torch.float64 else FLOAT32_RTOL
     for name, got, want in zip(NAMES, case.kernel(dtype), expected):
-        atol = tol * max(1.0, want.abs().max().item())
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=atol, msg=name)
+        assert_close(got, want, msg=name)
 
 
 def test_segment_lists_split_and_unlisted_rows_untouched():

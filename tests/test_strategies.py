@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+import helpers
+from helpers import assert_close, packed
 from nt_kernels.baselines import strategies
-from nt_kernels.performer import orthogonal_random_features
 from nt_reference import ops
 
 DATA = Path(os.environ["NT_KERNELS_DATA"])  # set by conftest.py when unset
-TOL = dict(atol=1e-10, rtol=1e-10)
 T = 6  # explicit switch threshold of the random graphs
 M, D, H = 5, 3, 2  # n* = 5 + sqrt(25 + 15) = 11.32 for the default threshold
 
@@ -33,8 +33,7 @@ STRATEGIES = {
 
 
 def projection(m=M, d=D, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return orthogonal_random_features(m, d, generator=gen, dtype=torch.float64)
+    return helpers.projection(m, d, seed=seed)
 
 
 MODES = {
@@ -57,8 +56,8 @@ def random_rowptr(seed):
 
 
 def packed_inputs(num_rows, heads, dim, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(num_rows, heads, dim, generator=gen, dtype=torch.float64) for _ in range(4)]
+    """q, k, v and the output weight w (float64)."""
+    return packed(num_rows, heads, dim, count=4, seed=seed)
 
 
 def value_and_grads(fn, q, k, v, w, rowptr, **kw):
@@ -69,9 +68,9 @@ def value_and_grads(fn, q, k, v, w, rowptr, **kw):
 
 def assert_match(got, want):
     (out, grads), (ref_out, ref_grads) = got, want
-    torch.testing.assert_close(out, ref_out, **TOL)
+    assert_close(out, ref_out, msg="o")
     for name, g, r in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"grad {name}: {m}")
+        assert_close(g, r, msg=f"grad {name}")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
