@@ -9,7 +9,9 @@ cast and moved, so a seed gives the same numbers on every device and dtype):
 * ``csr_of_sizes(sizes, device="cpu")`` -> a :class:`NeighbourhoodCSR` whose centre j has sizes[j] rows;
 * ``packed(num_rows, heads, dim, *, count=3, dtype=torch.float64, seed=0, device="cpu",
   requires_grad=False)`` -> a list of ``count`` (E, H, D) tensors (q, k, v, and e.g. grad_o);
-* ``projection(m, dim, *, dtype=torch.float64, seed=0, device="cpu")`` -> an (m, D) FAVOR+ projection.
+* ``projection(m, dim, *, dtype=torch.float64, seed=0, device="cpu")`` -> an (m, D) FAVOR+ projection;
+* ``write_npz(path, num_nodes=30, num_classes=3, splits=2, seed=0)`` writes a tiny graph in the
+  HeterophilousGraphDataset npz layout (a ring, random masks).
 
 Tolerances against a float64 reference (``TOLERANCE[dtype]`` as rtol and atol;
 for float32 the atol scales with the reference's largest magnitude, at least 1):
@@ -25,13 +27,14 @@ reference is at most twice that of PyTorch in the same dtype, plus
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.performer import orthogonal_random_features
 
 __all__ = ["LOW_PRECISION_FLOOR", "TOLERANCE", "assert_close", "assert_within_twice_torch_error", "csr_of_sizes",
-           "max_error", "packed", "projection", "rowptr_of"]
+           "max_error", "packed", "projection", "rowptr_of", "write_npz"]
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 LOW_PRECISION_FLOOR = 1e-3
@@ -62,6 +65,16 @@ def projection(m: int, dim: int, *, dtype=torch.float64, seed: int = 0, device="
     """An (m, D) FAVOR+ projection from a seeded generator."""
     gen = torch.Generator().manual_seed(seed)
     return orthogonal_random_features(m, dim, generator=gen, dtype=dtype, device=device)
+
+
+def write_npz(path, num_nodes=30, num_classes=3, splits=2, seed=0) -> None:
+    """A tiny graph (a ring) with random masks in the HeterophilousGraphDataset npz layout."""
+    rng = np.random.default_rng(seed)
+    masks = rng.integers(0, 3, size=(splits, num_nodes))
+    np.savez(path, node_features=rng.standard_normal((num_nodes, 5)).astype(np.float32),
+             node_labels=np.arange(num_nodes) % num_classes,
+             edges=np.stack([np.arange(num_nodes), (np.arange(num_nodes) + 1) % num_nodes], axis=1),
+             train_masks=masks == 0, val_masks=masks == 1, test_masks=masks == 2)
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
