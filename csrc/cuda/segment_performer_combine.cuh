@@ -71,7 +71,8 @@ combine_kernel(Geometry g, float* __restrict__ part, const float* __restrict__ p
   }
 }
 
-__global__ void __launch_bounds__(THREADS)
+// static: the header is compiled into every dtype's translation unit.
+static __global__ void __launch_bounds__(THREADS)
 colsum_kernel(Geometry g, const float* __restrict__ part, float* __restrict__ colsum) {
   __shared__ float red[THREADS];
   const int m = g.features, cols = g.dim + 1;
