@@ -161,8 +161,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="train NT on a node-classification dataset (paper protocol)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
-    parser.add_argument("--data-root", default=None, help="folder with the dataset files (default: $NT_KERNELS_DATA "
-                        "or ../shared/data/heterophilous)")
+    parser.add_argument("--data-root", default=None, help="folder with the dataset files (default: $NT_KERNELS_DATA)")
     parser.add_argument("--splits", default=None, help="comma-separated split ids (default: the first 10)")
     presets.add_arguments(parser)
     minibatch.add_arguments(parser)
