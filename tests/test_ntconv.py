@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import nt_kernels as nk
+from helpers import assert_close, assert_within_twice_torch_error, projection
 from nt_kernels import NeighbourhoodCSR
 from nt_kernels.nn.aggregate import aggregate, receiver_csr
 from nt_reference.dropout import counter_dropout_mask
@@ -27,7 +28,6 @@ except ImportError:  # the op lands with helper C's kernel (issue 13)
 
 needs_op = pytest.mark.skipif(ntconv is None, reason="op not available yet: nt_kernels.ops.ntconv (issue 13)")
 
-FLOAT64_TOL = 1e-10  # max abs error <= FLOAT64_TOL * max(1, max |reference|)
 HEADS, DIM, EDGE_DIM, M = 2, 4, 3, 4  # C = 8; n* = 4 + sqrt(32) ~ 9.66 for m = 4, D = 4
 GIVEN_THRESHOLD = 5
 
@@ -105,7 +105,7 @@ class Inputs:
         self.w_edge = rand(c, edge_dim, scale=edge_dim ** -0.5) if edge_attr else None
         self.w_qkv, self.b_qkv = rand(3 * c, c, scale=c ** -0.5), rand(3 * c, scale=0.1)
         self.w_out, self.b_out = rand(c_out, c, scale=c ** -0.5), rand(c_out, scale=0.1)
-        self.projection = nk.orthogonal_random_features(m, dim, generator=gen, dtype=dtype)
+        self.projection = projection(m, dim, dtype=dtype, seed=seed)
 
     def tensors(self):
         """The differentiable inputs present in this call, by name."""
@@ -183,18 +183,12 @@ def output_and_grads(run, inp, context=contextlib.nullcontext):
     return out.detach(), dict(zip(names, grads))
 
 
-def max_error(got, want):
-    """(max abs error, max(1, max |want|)); shapes must agree."""
-    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if want.numel() == 0:
-        return 0.0, 1.0
-    return (got.double() - want.double()).abs().max().item(), max(1.0, want.double().abs().max().item())
-
-
-def assert_close_scaled(got, want, name, tol=FLOAT64_TOL):
+def check(got, want, name):
+    """``got`` vs the float64 (or float32) ``want`` with the project's tolerance for got's dtype
+    (tests/helpers.py: 1e-10 in float64), finite on both sides."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.isfinite(got).all() and torch.isfinite(want).all(), f"{name}: non-finite values"
-    err, scale = max_error(got, want)
-    assert err <= tol * scale, f"{name}: max abs error {err:.3e} > {tol:g} * {scale:.3g}"
+    assert_close(got, want, msg=name)
 
 
 def assert_matches_reference(inp, edge_index, num_nodes, **kwargs):
@@ -202,9 +196,9 @@ def assert_matches_reference(inp, edge_index, num_nodes, **kwargs):
     out, grads = output_and_grads(lambda i: call_op(i, csr, **kwargs), inp)
     out_ref, grads_ref = output_and_grads(lambda i: call_reference(i, edge_index, **kwargs), inp)
     assert out.dtype == out_ref.dtype
-    assert_close_scaled(out, out_ref, "output")
+    check(out, out_ref, "output")
     for name, grad in grads.items():
-        assert_close_scaled(grad, grads_ref[name], f"gradient of {name}")
+        check(grad, grads_ref[name], f"gradient of {name}")
 
 
 # ------------------------------------------------- harness check (no kernel needed)
@@ -218,9 +212,9 @@ def test_reference_matches_the_composition(aggr, gate_group, attention):
     kwargs = dict(aggr=aggr, gate_group=gate_group, **attention_kwargs(inp, attention))
     out, grads = output_and_grads(lambda i: call_composition(i, csr, **kwargs), inp)
     out_ref, grads_ref = output_and_grads(lambda i: call_reference(i, edge_index, **kwargs), inp)
-    assert_close_scaled(out, out_ref, "output")
+    check(out, out_ref, "output")
     for name, grad in grads.items():
-        assert_close_scaled(grad, grads_ref[name], f"gradient of {name}")
+        check(grad, grads_ref[name], f"gradient of {name}")
 
 
 # ------------------------------------------------------- float64 vs reference
@@ -235,10 +229,16 @@ def test_matches_reference_mixed_graph(aggr, gate_group, edge_attr, attention):
                              **attention_kwargs(inp, attention))
 
 
+HUB_CASES = [pytest.param(*aggr.values, "switch", id=f"{aggr.id}-switch") for aggr in AGGRS] + [
+    pytest.param("sum", "receiver", "softmax", id="sum-softmax"),
+    pytest.param("weighted_mean", "centre", "softmax", id="weighted_mean-centre-softmax"),
+]
+
+
 @needs_op
-@pytest.mark.parametrize("attention", ["switch", "softmax"])
-@pytest.mark.parametrize("aggr, gate_group", AGGRS)
+@pytest.mark.parametrize("aggr, gate_group, attention", HUB_CASES)
 def test_matches_reference_3000_row_hub(aggr, gate_group, attention, single_thread):
+    """Switch sends the hub to Performer; softmax runs it exact (3000 x 3000 scores per head)."""
     edge_index, n = hub_graph()
     inp = Inputs(n, edge_index.shape[1], aggr, edge_attr=True, dim=2, m=2)
     assert_matches_reference(inp, edge_index, n, aggr=aggr, gate_group=gate_group,
@@ -285,7 +285,7 @@ def test_max_tie_gradient_is_split_evenly():
     receives = torch.bincount(edge_index[1], minlength=n) > 0
     b = inp.b_out.clone().requires_grad_()
     gelu_grad, = torch.autograd.grad(F.gelu(b).sum(), b)
-    assert_close_scaled(grads["b_out"], g[receives].sum(0) * gelu_grad, "gradient of b_out")
+    check(grads["b_out"], g[receives].sum(0) * gelu_grad, "gradient of b_out")
 
 
 # ------------------------------------------------------------------- dropout
@@ -557,27 +557,17 @@ def nan_run(inp, csr, reached, kwargs):
 
 
 # --------------------------------------------------------- low precision
-def scaled_error(got, want):
-    err, scale = max_error(got, want)
-    return err / scale
-
-
-def low_precision_errors(inp_lo, csr, edge_index, kwargs, autocast):
-    """Scaled error (output and every gradient) of the op and of the composition vs the float64
-    reference on the same (rounded) input values; forward under autocast, backward outside."""
+def low_precision_runs(inp_lo, csr, edge_index, kwargs, autocast):
+    """Output and gradients of the op, of the composition (both on the low-precision inputs,
+    forward under autocast, backward outside) and of the float64 reference on the same values."""
     inp_hi = inp_lo.cast(torch.float64)
-    truth_out, truth_grads = output_and_grads(
-        lambda i: call_reference(i, edge_index, **dict(kwargs, projection=i.projection)), inp_hi)
+    truth = output_and_grads(lambda i: call_reference(i, edge_index, **dict(kwargs, projection=i.projection)),
+                             inp_hi)
     kwargs = dict(kwargs, projection=inp_lo.projection)
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-    errors = {}
-    for label, fn in (("op", lambda i: call_op(i, csr, **kwargs)),
-                      ("composition", lambda i: call_composition(i, csr, **kwargs))):
-        out, grads = output_and_grads(fn, inp_lo, context)
-        assert torch.isfinite(out).all(), f"{label}: non-finite output"
-        errors[label] = {"output": scaled_error(out, truth_out)}
-        errors[label].update({name: scaled_error(grad, truth_grads[name]) for name, grad in grads.items()})
-    return errors
+    op = output_and_grads(lambda i: call_op(i, csr, **kwargs), inp_lo, context)
+    composition = output_and_grads(lambda i: call_composition(i, csr, **kwargs), inp_lo, context)
+    return op, composition, truth
 
 
 # (node-term dtype, weight and edge_attr dtype, autocast to bfloat16)
@@ -589,23 +579,50 @@ LOW_PRECISION = [
 ]
 
 
-@needs_op
-@pytest.mark.parametrize("node_dtype, weight_dtype, autocast", LOW_PRECISION)
-@pytest.mark.parametrize("aggr, gate_group", AGGRS)
-def test_low_precision_error_at_most_twice_the_composition(aggr, gate_group, node_dtype, weight_dtype, autocast):
-    """Flash-attention rule: error(op) <= 2 error(composition) + eps(dtype) for the output and
-    every gradient, both against the float64 reference on the same rounded inputs."""
-    edge_index, n = mixed_graph()
+def one_message_per_receiver_graph():
+    """Segments of 1..6 rows (6 > the given threshold 5), every node receiving exactly one message."""
+    gen = torch.Generator().manual_seed(6)
+    sizes = torch.arange(1, 7)
+    centre = torch.repeat_interleave(torch.arange(6), sizes)
+    receiver = torch.randperm(centre.numel(), generator=gen)
+    return torch.stack([centre, receiver]), centre.numel()
+
+
+def assert_low_precision(aggr, gate_group, node_dtype, weight_dtype, autocast, graph, *, grads=True):
+    edge_index, n = graph
     csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
     inp = Inputs(n, edge_index.shape[1], aggr, edge_attr=True).cast(weight_dtype)
     inp = inp.replace(centre=inp.centre.to(node_dtype), receiver_term=inp.receiver_term.to(node_dtype))
     kwargs = dict(aggr=aggr, gate_group=gate_group, projection=inp.projection, threshold=GIVEN_THRESHOLD)
-    errors = low_precision_errors(inp, csr, edge_index, kwargs, autocast)
-    floor = torch.finfo(torch.bfloat16 if autocast else node_dtype).eps
-    failures = [f"{name}: op {errors['op'][name]:.3e} > 2 * composition {errors['composition'][name]:.3e} "
-                f"+ {floor:.1e}" for name in errors["op"]
-                if errors["op"][name] > 2 * errors["composition"][name] + floor]
-    assert not failures, "; ".join(failures)
+    (out, grads_op), (out_c, grads_c), (out_r, grads_r) = low_precision_runs(inp, csr, edge_index, kwargs, autocast)
+    assert torch.isfinite(out).all()
+    pairs = [("output", out)] + ([(f"gradient of {name}", g) for name, g in grads_op.items()] if grads else [])
+    composition = dict([("output", out_c)] + [(f"gradient of {name}", g) for name, g in grads_c.items()])
+    truth = dict([("output", out_r)] + [(f"gradient of {name}", g) for name, g in grads_r.items()])
+    for name, got in pairs:
+        if autocast or node_dtype == torch.bfloat16:
+            assert_within_twice_torch_error(got, composition[name], truth[name], msg=name)
+        else:
+            check(got, truth[name], name)
+
+
+@needs_op
+@pytest.mark.parametrize("node_dtype, weight_dtype, autocast", LOW_PRECISION)
+@pytest.mark.parametrize("aggr, gate_group", AGGRS)
+def test_low_precision_against_the_float64_reference(aggr, gate_group, node_dtype, weight_dtype, autocast):
+    """bfloat16 (inputs or autocast): the project's rule (tests/helpers.py), error(op) <= 2 x
+    error(composition in the same precision) + 1e-3 max |reference|, for the output and every
+    gradient.  float32: the project's float32 tolerance against the float64 reference (in float32
+    both errors are a few ulps of rounding noise, so their ratio says nothing).
+
+    max routes its gradient to the largest message, and rounding can swap two messages closer
+    than the precision (seen: 1e-4 apart in bfloat16), so max's gradients are checked on a graph
+    where every receiver gets one message; its output on the mixed graph.
+    """
+    config = (aggr, gate_group, node_dtype, weight_dtype, autocast)
+    assert_low_precision(*config, mixed_graph(), grads=aggr != "max")
+    if aggr == "max":
+        assert_low_precision(*config, one_message_per_receiver_graph())
 
 
 @needs_op
@@ -641,7 +658,7 @@ def test_num_nodes_larger_than_the_node_terms():
     out = call_op(inp, csr, aggr="mean", num_nodes=n + 3)
     expected = call_reference(inp, edge_index, aggr="mean", num_nodes=n + 3)
     assert out.shape == (n + 3, HEADS * DIM) and not out[n:].any()
-    assert_close_scaled(out, expected, "output")
+    check(out, expected, "output")
 
 
 @needs_op

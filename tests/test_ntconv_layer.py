@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nt_reference.nn as ref
+from helpers import assert_close
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn import NT, DirNT, NTConv
 
@@ -19,7 +20,6 @@ from nt_kernels.nn import NT, DirNT, NTConv
 pytestmark = pytest.mark.skipif("fused" not in inspect.signature(NTConv.__init__).parameters,
                                 reason="NTConv has no `fused` argument yet (issue 13 integration pending)")
 
-FLOAT64_TOL = 1e-10  # max abs error <= FLOAT64_TOL * max(1, max |fused=False|)
 IN, OUT, HEADS, EDGE_DIM, NB_FEATURES = 6, 8, 2, 3, 4  # D = 4, n* = 4 + sqrt(32) ~ 9.66
 
 AGGRS = [
@@ -94,24 +94,21 @@ def run(module, x, graph, edge_attr):
     return out.detach(), grads
 
 
-def assert_close_scaled(got, want, name, tol=FLOAT64_TOL):
+def check(got, want, name):
+    """float64 ``got`` vs ``want`` with the project's tolerance (tests/helpers.py: 1e-10), finite."""
     assert got is not None and want is not None, f"{name}: missing gradient"
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert torch.isfinite(got).all() and torch.isfinite(want).all(), f"{name}: non-finite values"
-    if want.numel() == 0:
-        return
-    err = (got - want).abs().max().item()
-    scale = max(1.0, want.abs().max().item())
-    assert err <= tol * scale, f"{name}: max abs error {err:.3e} > {tol:g} * {scale:.3g}"
+    assert_close(got, want, msg=name)
 
 
 def assert_same_run(fused, composed, x, graph, edge_attr=None):
     out_f, grads_f = run(fused, x, graph, edge_attr)
     out_c, grads_c = run(composed, x, graph, edge_attr)
-    assert_close_scaled(out_f, out_c, "output")
+    check(out_f, out_c, "output")
     assert grads_f.keys() == grads_c.keys()
     for name in grads_c:
-        assert_close_scaled(grads_f[name], grads_c[name], f"gradient of {name}")
+        check(grads_f[name], grads_c[name], f"gradient of {name}")
 
 
 def ran_fused_op(fn) -> bool:
@@ -218,12 +215,12 @@ def test_compile_fullgraph_nt_fused_on_prebuilt_csr():
     x, edge_attr = features(n, edge_index.shape[1], EDGE_DIM)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     out_c, out_e = compiled(x, csr, edge_attr), model(x, csr, edge_attr)
-    assert_close_scaled(out_c, out_e, "output")
+    check(out_c, out_e, "output")
     params = list(model.parameters())
     for (name, _), grad_c, grad_e in zip(model.named_parameters(),
                                          torch.autograd.grad(out_c.square().sum(), params),
                                          torch.autograd.grad(out_e.square().sum(), params)):
-        assert_close_scaled(grad_c, grad_e, f"gradient of {name}")
+        check(grad_c, grad_e, f"gradient of {name}")
 
 
 def test_compile_fullgraph_nt_fused_training_with_dropout():
