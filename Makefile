@@ -14,7 +14,7 @@ install: $(STAMP)
 $(STAMP): $(SOURCES)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
 	$(PYTHON) -m pip install "scikit-build-core>=0.10" ninja pybind11 "cmake>=3.24"
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,plot,triton]"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,plot,triton,peers]"
 	mkdir -p build && touch $@
 
 demo: $(STAMP)

@@ -7,13 +7,15 @@ with environment variables:
   ``synthetic-<paper dataset>@<scale>`` (default
   ``synthetic-minesweeper@0.25,synthetic-tolokers@0.05``);
 * ``NT_BENCH_BACKENDS``: backend names or families, or ``all`` (default
-  ``fused,by-size,partitioned-0.4,sequential,reference,flex,nested``);
+  ``fused,by-size,partitioned-0.4,sequential,reference,pyg-pairs,flex,nested``);
 * ``NT_BENCH_HEADS``, ``NT_BENCH_HEAD_DIM``, ``NT_BENCH_DTYPE``,
   ``NT_BENCH_DEVICE`` (default 4, 8, float32, cuda if available else cpu),
   ``NT_BENCH_ROUNDS`` (default 5).
 
 Backends that do not apply (see ``nt_kernels.bench.backends.skip_reason``) or
-whose op is not built are skipped with the reason.
+whose op is not built are skipped with the reason; a backend without a backward
+on the device (``forward_only_reason``: FlexAttention on the CPU) runs its
+forward on detached inputs and skips the forward+backward benchmark.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from nt_kernels.bench import backends as bb
 from nt_kernels.bench import measure as bm
 
 DEFAULT_GRAPHS = "synthetic-minesweeper@0.25,synthetic-tolokers@0.05"
-DEFAULT_BACKENDS = "fused,by-size,partitioned-0.4,sequential,reference,flex,nested"
+DEFAULT_BACKENDS = "fused,by-size,partitioned-0.4,sequential,reference,pyg-pairs,flex,nested"
 INPUT_SETS = 3
 
 
@@ -85,9 +87,18 @@ def case(request):
     reason = bb.skip_reason(backend, ctx)
     if reason is None and backend.family == "fused":
         reason = bb.fused_unavailable(ctx.device)
+    forward_only = bb.forward_only_reason(backend, ctx) if not reason else None
+    if forward_only and request.function.__name__ == "test_forward_backward":
+        reason = f"forward only: {forward_only}"
     if reason:
         pytest.skip(reason)
-    return bb.prepare(backend, ctx), ctx, input_sets(graph)
+    fn = bb.prepare(backend, ctx)
+    if forward_only:
+        inner = fn
+
+        def fn(q, k, v):
+            return inner(q.detach(), k.detach(), v.detach())
+    return fn, ctx, input_sets(graph)
 
 
 @pytest.fixture

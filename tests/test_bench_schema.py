@@ -25,8 +25,8 @@ RESULT = {
     "required": ["backend", "family", "alpha", "status"],
     "properties": {
         "backend": STR,
-        "family": {"enum": ["fused", "reference", "parallel", "by-size", "partitioned", "sequential", "flex",
-                            "nested"]},
+        "family": {"enum": ["fused", "reference", "parallel", "by-size", "partitioned", "sequential", "pyg-pairs",
+                            "nested", "flex", "performer-pytorch"]},
         "alpha": OPT_NUMBER,
         "status": STR,
         "forward_ms": NUMBER, "forward_backward_ms": NUMBER,
@@ -35,10 +35,13 @@ RESULT = {
         "peak_memory_bytes": INT, "memory_method": STR,
         "max_abs_error": NUMBER, "rel_error": NUMBER, "error_vs": STR,
         "padded_estimate_bytes": INT, "padded_calls": INT,
+        "pairs": INT, "pairs_estimate_bytes": INT, "forward_only": STR,
     },
 }
 OK_RESULT_REQUIRED = ["forward_ms", "forward_backward_ms", "forward_ms_runs", "forward_backward_ms_runs",
                       "peak_memory_bytes", "memory_method", "max_abs_error", "rel_error", "error_vs"]
+FORWARD_ONLY_REQUIRED = ["forward_ms", "forward_ms_runs", "peak_memory_bytes", "memory_method", "max_abs_error",
+                         "rel_error", "error_vs", "forward_only"]
 
 SCHEMA = {
     "type": "object",
@@ -69,7 +72,7 @@ SCHEMA = {
                                     "device": STR, "threads": INT, "seed": INT, "repeats": INT, "warmup": INT,
                                     "input_sets": INT, "nb_features": INT,
                                     "threshold": {"type": ["number", "string"]},
-                                    "subset": {"enum": ["all", "exact"]},
+                                    "subset": {"enum": ["all", "exact", "performer"]},
                                     "isolation": {"enum": ["subprocess", "in-process"]},
                                     "memory_cap_gb": NUMBER, "reference_max_edges": INT}},
         "results": {"type": "array", "items": RESULT},
@@ -122,6 +125,11 @@ def check_document(doc: dict) -> list[str]:
         if entry.get("status") == "ok":
             errors += [f"$.results[{i}]: ok result missing {key!r}" for key in OK_RESULT_REQUIRED
                        if key not in entry]
+        if entry.get("status") == "ok (forward only)":
+            errors += [f"$.results[{i}]: forward-only result missing {key!r}" for key in FORWARD_ONLY_REQUIRED
+                       if key not in entry]
+            errors += [f"$.results[{i}]: forward-only result has {key!r}" for key in
+                       ("forward_backward_ms", "forward_backward_ms_runs") if key in entry]
     return errors
 
 
@@ -147,12 +155,12 @@ def test_validator_rejects_bad_documents():
 
 
 def test_tiny_bench_writes_valid_json(tmp_path, capsys):
-    args = _args(tmp_path, "--backends", "fused,by-size,partitioned-0.4,sequential,flex")
+    args = _args(tmp_path, "--backends", "fused,by-size,partitioned-0.4,sequential")
     assert args.func(args) == 0
     doc = json.loads((tmp_path / "run.json").read_text())
     assert check_document(doc) == []
     by_name = {e["backend"]: e for e in doc["results"]}
-    assert list(by_name) == ["fused", "by-size", "partitioned-0.4", "sequential", "flex"]
+    assert list(by_name) == ["fused", "by-size", "partitioned-0.4", "sequential"]
     for name in ("by-size", "partitioned-0.4", "sequential"):
         entry = by_name[name]
         assert entry["status"] == "ok", entry
@@ -164,10 +172,50 @@ def test_tiny_bench_writes_valid_json(tmp_path, capsys):
     assert fused["status"] == "ok" or fused["status"].startswith("error: fused op unavailable")
     if fused["status"] == "ok":
         assert fused["max_abs_error"] < 1e-4
-    if doc["device"]["type"] == "cpu":
-        assert by_name["flex"]["status"] == "n/a: CUDA only"
     out = capsys.readouterr().out
     assert "partitioned-0.4" in out and "run.json" in out
+
+
+def test_peers_in_the_bench_json(tmp_path, capsys):
+    """Every peer appears in the JSON with a valid entry: the exact peers measured against the exact
+    reference (flex forward only where the build has no CPU backward), the Performer peers n/a on a graph
+    with exact-path segments, and a summary naming the fastest peer."""
+    args = _args(tmp_path, "--backends", "fused,pyg-pairs,nested,flex,performer-pytorch")
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert check_document(doc) == []
+    by_name = {e["backend"]: e for e in doc["results"]}
+    assert list(by_name) == ["fused", "pyg-pairs", "nested", "flex", "performer-pytorch", "performer-pytorch-sizes"]
+    assert by_name["pyg-pairs"]["pairs"] > 0 and by_name["pyg-pairs"]["pairs_estimate_bytes"] > 0
+    for name in ("pyg-pairs", "nested", "flex"):
+        entry = by_name[name]
+        if entry["status"].startswith("unsupported:"):
+            continue
+        assert entry["status"] in ("ok", "ok (forward only)"), entry
+        assert entry["max_abs_error"] < 1e-5 and entry["error_vs"].startswith("loop reference (exact)")
+    if doc["device"]["type"] == "cpu" and by_name["flex"]["status"] == "ok (forward only)":
+        assert "backward" in by_name["flex"]["forward_only"]
+    for name in ("performer-pytorch", "performer-pytorch-sizes"):
+        assert by_name[name]["status"].startswith(("n/a: graph has exact-path segments", "skipped: performer-pytorch"))
+    assert doc["graph"]["segments"]["performer"] > 0        # so the exact peers do not count for the ratios
+    assert "fastest_peer" not in doc["summary"]
+    assert "pyg-pairs" in capsys.readouterr().out
+
+
+def test_performer_subset_and_its_peers(tmp_path):
+    pytest.importorskip("performer_pytorch", reason="performer-pytorch not installed (pip install 'nt-kernels[peers]')")
+    args = _args(tmp_path, "--subset", "performer", "--backends", "fused,performer-pytorch")
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert check_document(doc) == []
+    assert doc["graph"]["segments"]["exact"] == 0 and doc["graph"]["full_graph"]["segments"]["exact"] > 0
+    by_name = {e["backend"]: e for e in doc["results"]}
+    assert by_name["performer-pytorch-sizes"]["status"] == "ok"
+    assert by_name["performer-pytorch-sizes"]["max_abs_error"] < 1e-5          # no padding, no leak
+    assert by_name["performer-pytorch"]["status"] == "ok"
+    assert by_name["performer-pytorch"]["padded_calls"] >= 1
+    assert doc["summary"]["fastest_peer"] in ("performer-pytorch", "performer-pytorch-sizes")
+    assert bench_plot.peers_block(tmp_path).count("\n") == 2                     # header, rule, one row
 
 
 def test_memory_cap_skips_padded_strategies(tmp_path):

@@ -9,9 +9,10 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
   (one padded batch, exact attention everywhere), ``by-size`` (size split at the
   threshold, one padded batch per path), ``partitioned-<alpha>`` (size split +
   Algorithm 1) and ``sequential`` (one batch per distinct size);
-* CUDA only, when every segment takes the exact path: ``flex`` (FlexAttention
-  over the packed sequence with a document mask) and ``nested`` (SDPA on a
-  jagged nested tensor).
+* the peers of :mod:`nt_kernels.bench.peers`, what a user would write instead:
+  ``pyg-pairs``, ``nested`` and ``flex`` (exact attention everywhere) and the
+  performer-pytorch ``FastAttention`` peers (graphs whose every segment takes
+  the Performer path).
 
 A backend's ``prepare(ctx)`` returns ``fn(q, k, v) -> o``; everything a backend
 builds once per graph (plans, masks, compiled kernels) is built there, outside
@@ -78,15 +79,25 @@ class Backend:
     @property
     def semantics(self) -> str:
         """``exact`` for backends that run exact attention everywhere, else ``switch``."""
-        return "exact" if self.family in ("parallel", "flex", "nested") else "switch"
+        from nt_kernels.bench.peers import EXACT_PEERS
+
+        return "exact" if self.family == "parallel" or self.family in EXACT_PEERS else "switch"
+
+    @property
+    def is_peer(self) -> bool:
+        from nt_kernels.bench.peers import PEER_FAMILIES
+
+        return self.family in PEER_FAMILIES
 
 
 def all_backends(alphas=ALPHAS) -> list[Backend]:
-    """Every backend in table order: ours, the loop reference, the paper's strategies, CUDA baselines."""
+    """Every backend in table order: ours, the loop reference, the paper's strategies, the peers."""
+    from nt_kernels.bench.peers import peer_backends
+
     backends = [Backend("fused", "fused"), Backend("reference", "reference"),
                 Backend("parallel", "parallel"), Backend("by-size", "by-size")]
     backends += [Backend(f"partitioned-{a:g}", "partitioned", float(a)) for a in alphas]
-    backends += [Backend("sequential", "sequential"), Backend("flex", "flex"), Backend("nested", "nested")]
+    backends += [Backend("sequential", "sequential"), *peer_backends()]
     return backends
 
 
@@ -107,8 +118,12 @@ def select_backends(spec: str | None, alphas=ALPHAS) -> list[Backend]:
 
 # ----------------------------------------------------------- padded groups
 def padded_groups(backend: Backend, ctx: Context) -> list[tuple[int, int, bool]] | None:
-    """(segments G, padded length L, performer?) of every batched call a strategy makes, else None."""
+    """(segments G, padded length L, performer?) of every batched call a strategy or padded peer makes, else None."""
     from nt_kernels.baselines.partition import partition_by_area
+    from nt_kernels.bench import peers
+
+    if backend.is_peer:
+        return peers.padded_groups(backend, ctx)
 
     sizes, counts = ctx.hist
     present = [(n, c) for n, c in zip(sizes, counts) if n > 0 and c > 0]
@@ -149,16 +164,26 @@ def padded_estimate_bytes(backend: Backend, ctx: Context) -> int | None:
 # --------------------------------------------------------------- applicability
 def skip_reason(backend: Backend, ctx: Context) -> str | None:
     """Why ``backend`` is not run on this graph and device (a ``skipped: ...`` / ``n/a: ...`` status)."""
-    if backend.family in ("flex", "nested"):
-        if ctx.device.type != "cuda":
-            return "n/a: CUDA only"
-        if ctx.has_performer_segments:
-            return "n/a: graph has Performer-path segments (exact-only baseline; use --subset exact)"
+    if backend.is_peer:
+        from nt_kernels.bench import peers
+
+        reason = peers.skip_reason(backend, ctx)
+        if reason is not None:
+            return reason
     if backend.family == "reference" and ctx.num_edges > ctx.reference_max_edges:
         return f"skipped: loop reference limited to E <= {ctx.reference_max_edges} (--reference-max-edges)"
     est = padded_estimate_bytes(backend, ctx)
     if est is not None and est > ctx.memory_cap_bytes:
         return f"skipped: est. {est / 1e9:.1f} GB > cap {ctx.memory_cap_bytes / 1e9:.1f} GB"
+    return None
+
+
+def forward_only_reason(backend: Backend, ctx: Context) -> str | None:
+    """Why ``backend`` has no backward on this device (it is then measured forward only), else None."""
+    if backend.is_peer:
+        from nt_kernels.bench import peers
+
+        return peers.backward_unsupported(backend, ctx)
     return None
 
 
@@ -194,46 +219,11 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
         alpha = backend.alpha
         return lambda q, k, v: strategies.partitioned(q, k, v, rowptr, projection=projection,
                                                       threshold=threshold, alpha=alpha)
-    if backend.family == "flex":
-        return _prepare_flex(ctx)
-    if backend.family == "nested":
-        return _prepare_nested(ctx)
+    if backend.is_peer:
+        from nt_kernels.bench import peers
+
+        return peers.prepare(backend, ctx)
     raise ValueError(f"bench: no backend family {backend.family!r}")
-
-
-def _prepare_flex(ctx: Context) -> Callable:
-    """FlexAttention over the whole packed sequence, (1, H, E, D), with a document (segment) mask."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    doc = ctx.csr.centre
-    num_rows = ctx.num_edges
-
-    def same_segment(b, h, q_idx, kv_idx):
-        return doc[q_idx] == doc[kv_idx]
-
-    block_mask = create_block_mask(same_segment, None, None, num_rows, num_rows, device=ctx.device,
-                                   _compile=True)
-    compiled = torch.compile(flex_attention, dynamic=False)
-
-    def fn(q, k, v):
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        return compiled(q, k, v, block_mask=block_mask).squeeze(0).transpose(0, 1)
-
-    return fn
-
-
-def _prepare_nested(ctx: Context) -> Callable:
-    """SDPA on jagged nested tensors (S, H, j, D) built over the packed rows (empty segments dropped)."""
-    import torch.nn.functional as F
-
-    offsets = torch.unique_consecutive(ctx.csr.rowptr)
-
-    def fn(q, k, v):
-        q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets=offsets).transpose(1, 2)
-                   for t in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
-
-    return fn
 
 
 # ----------------------------------------------------------------- fused probe

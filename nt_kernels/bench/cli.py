@@ -1,4 +1,4 @@
-"""``nt-kernels bench``: our fused op against the loop reference and the paper's strategies.
+"""``nt-kernels bench``: our fused op against the loop reference, the paper's strategies and the peers.
 
 One run measures every backend of :mod:`nt_kernels.bench.backends` on one or
 more graphs with the same inputs, writes a JSON document per graph (device,
@@ -24,15 +24,18 @@ import torch
 
 from nt_kernels.bench import backends as bb
 from nt_kernels.bench import measure as bm
+from nt_kernels.bench import peers
 
 SCHEMA_VERSION = 1
 REAL_GRAPHS = ("minesweeper", "tolokers")
 DEFAULT_CAP_GB = 10.0
 DEFAULT_REFERENCE_MAX_EDGES = 20_000
 DESCRIPTION = ("Measure forward and forward+backward time, peak memory and error of the fused op, the loop "
-               "reference and the paper's parallel / by-size / partitioned(alpha) / sequential strategies "
-               "(plus FlexAttention and nested-tensor SDPA on CUDA) on the same inputs; write one JSON per "
-               "graph (to --out, default the current directory) and print a table.")
+               "reference, the paper's parallel / by-size / partitioned(alpha) / sequential strategies and "
+               "the peers a user would write instead (pyg-pairs, nested-tensor SDPA, FlexAttention, "
+               "performer-pytorch FastAttention) on the same inputs; write one JSON per graph (to --out, "
+               "default the current directory) and print a table.")
+SUBSETS = ("all", "exact", "performer")
 
 
 # ----------------------------------------------------------------- device
@@ -93,12 +96,12 @@ def load_csr(name: str, args):
     return NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.num_nodes), source, scale
 
 
-def exact_subset(csr, threshold: float):
-    """The sub-CSR of the segments that take the exact path (0 < size <= threshold)."""
+def subset_csr(csr, threshold: float, subset: str):
+    """The sub-CSR of the segments on one path: ``exact`` (0 < size <= threshold) or ``performer`` (> threshold)."""
     from nt_kernels.csr import NeighbourhoodCSR
 
     degree = csr.degree
-    keep = (degree > 0) & (degree <= threshold)
+    keep = (degree > 0) & (degree <= threshold) if subset == "exact" else degree > threshold
     rows = keep[csr.centre]
     sizes = degree[keep]
     rowptr = torch.zeros(sizes.numel() + 1, dtype=torch.long)
@@ -172,12 +175,14 @@ def run_graph(name: str, args) -> dict:
     csr, source, scale = load_csr(name, args)
     m = args.nb_features or default_nb_features(args.head_dim)
     threshold = args.threshold if args.threshold is not None else switch_threshold(m, args.head_dim)
-    if args.subset == "exact":
+    if args.subset != "all":
         full_stats = graph_stats(csr, threshold)
-        csr, m, threshold = exact_subset(csr, threshold), 0, math.inf
+        csr = subset_csr(csr, threshold, args.subset)
+        if args.subset == "exact":
+            m, threshold = 0, math.inf
     stats = graph_stats(csr, threshold)
     stats.update(name=name, source=source, scale=scale)
-    if args.subset == "exact":
+    if args.subset != "all":
         stats["full_graph"] = full_stats
     settings = {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "device": str(device),
                 "threads": torch.get_num_threads(), "seed": args.seed, "repeats": args.repeats,
@@ -221,6 +226,10 @@ def run_graph(name: str, args) -> dict:
             if estimate is not None:
                 entry["padded_estimate_bytes"] = estimate
                 entry["padded_calls"] = len(bb.padded_groups(backend, ctx))
+            pairs = peers.pairs_estimate_bytes(backend, ctx)
+            if pairs is not None:
+                entry["pairs"] = peers.sum_squared_sizes(ctx)
+                entry["pairs_estimate_bytes"] = pairs
             results.append(entry)
             print(f"  {name}: {backend.name:16s} {entry['status'][:60]:60s} ({time.perf_counter() - started:.1f} s)",
                   file=sys.stderr, flush=True)
@@ -238,12 +247,45 @@ def _ok(entry: dict) -> bool:
     return entry.get("status") == "ok"
 
 
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def summarize_peers(doc: dict) -> dict:
+    """Fused vs the fastest peer: fwd+bwd among peers with a backward, forward among all that ran.
+
+    Only peers that compute what the fused op computes count: on a graph with
+    Performer-path segments the exact-everywhere peers do other work and are left out.
+    """
+    by_name = {e["backend"]: e for e in doc["results"]}
+    fused = by_name.get("fused")
+    all_exact = doc["graph"]["segments"]["performer"] == 0
+    ran = [e for e in doc["results"] if e["family"] in peers.PEER_FAMILIES and "forward_ms" in e
+           and e["status"] in ("ok", bm.FORWARD_ONLY)
+           and (all_exact or bb.Backend(e["backend"], e["family"], e["alpha"]).semantics == "switch")]
+    summary = {}
+    if not ran or not (fused and _ok(fused)):
+        return summary
+    with_backward = [e for e in ran if _ok(e)]
+    if with_backward:
+        best = min(with_backward, key=lambda e: e["forward_backward_ms"])
+        summary.update(fastest_peer=best["backend"],
+                       speedup_fwd_bwd_vs_fastest_peer=_ratio(best["forward_backward_ms"],
+                                                              fused["forward_backward_ms"]),
+                       memory_ratio_vs_fastest_peer=_ratio(fused["peak_memory_bytes"], best["peak_memory_bytes"]))
+    best = min(ran, key=lambda e: e["forward_ms"])
+    summary.update(fastest_peer_forward=best["backend"],
+                   speedup_fwd_vs_fastest_peer_forward=_ratio(best["forward_ms"], fused["forward_ms"]))
+    return summary
+
+
 def summarize(doc: dict) -> dict:
-    """Fused vs the fastest paper strategy (time and memory ratios), and vs partitioned alpha = 0.4."""
+    """Fused vs the fastest paper strategy (time and memory ratios), vs partitioned alpha = 0.4, vs the peers."""
     by_name = {e["backend"]: e for e in doc["results"]}
     fused = by_name.get("fused")
     strategies = [e for e in doc["results"] if e["family"] in bb.STRATEGY_FAMILIES and _ok(e)]
     summary = {"fused": "ok" if fused and _ok(fused) else (fused or {}).get("status", "not run")}
+    summary.update(summarize_peers(doc))
     if not strategies:
         return summary
     best = min(strategies, key=lambda e: e["forward_backward_ms"])
@@ -251,18 +293,15 @@ def summarize(doc: dict) -> dict:
     lowest = min(strategies, key=lambda e: e["peak_memory_bytes"])
     summary["lowest_memory_strategy"] = lowest["backend"]
     if fused and _ok(fused):
-        def ratio(a, b):
-            return a / b if b else None
-
-        summary["speedup_fwd_bwd_vs_best"] = ratio(best["forward_backward_ms"], fused["forward_backward_ms"])
-        summary["speedup_fwd_vs_best"] = ratio(best["forward_ms"], fused["forward_ms"])
-        summary["memory_ratio_vs_best"] = ratio(fused["peak_memory_bytes"], best["peak_memory_bytes"])
-        summary["memory_ratio_vs_lowest"] = ratio(fused["peak_memory_bytes"], lowest["peak_memory_bytes"])
+        summary["speedup_fwd_bwd_vs_best"] = _ratio(best["forward_backward_ms"], fused["forward_backward_ms"])
+        summary["speedup_fwd_vs_best"] = _ratio(best["forward_ms"], fused["forward_ms"])
+        summary["memory_ratio_vs_best"] = _ratio(fused["peak_memory_bytes"], best["peak_memory_bytes"])
+        summary["memory_ratio_vs_lowest"] = _ratio(fused["peak_memory_bytes"], lowest["peak_memory_bytes"])
         p04 = by_name.get("partitioned-0.4")
         if p04 and _ok(p04):
-            summary["speedup_fwd_bwd_vs_partitioned_0.4"] = ratio(p04["forward_backward_ms"],
+            summary["speedup_fwd_bwd_vs_partitioned_0.4"] = _ratio(p04["forward_backward_ms"],
                                                                   fused["forward_backward_ms"])
-            summary["memory_ratio_vs_partitioned_0.4"] = ratio(fused["peak_memory_bytes"], p04["peak_memory_bytes"])
+            summary["memory_ratio_vs_partitioned_0.4"] = _ratio(fused["peak_memory_bytes"], p04["peak_memory_bytes"])
     return summary
 
 
@@ -293,6 +332,8 @@ def default_out(doc: dict, results_dir: Path) -> Path:
         parts.append(f"x{g['scale']:g}")
     if s["subset"] != "all":
         parts.append(s["subset"])
+    elif s["threshold"] == "inf":
+        parts.append("exact-everywhere")
     return results_dir / f"{slug(doc['device']['name'])}-{g['name']}-{'-'.join(parts)}.json"
 
 
@@ -310,6 +351,10 @@ def format_table(doc: dict) -> str:
             lines.append(f"{e['backend']:16s} {e['forward_ms']:10.2f} {e['forward_backward_ms']:11.2f} "
                          f"{e['peak_memory_bytes'] / 2**20:9.1f} {e.get('max_abs_error', math.nan):9.2e} "
                          f"{e.get('rel_error', math.nan):9.2e}  ok")
+        elif e["status"] == bm.FORWARD_ONLY:
+            lines.append(f"{e['backend']:16s} {e['forward_ms']:10.2f} {'-':>11s} "
+                         f"{e['peak_memory_bytes'] / 2**20:9.1f} {e.get('max_abs_error', math.nan):9.2e} "
+                         f"{e.get('rel_error', math.nan):9.2e}  {e['status']}: {e['forward_only']}")
         else:
             lines.append(f"{e['backend']:16s} {'-':>10s} {'-':>11s} {'-':>9s} {'-':>9s} {'-':>9s}  {e['status']}")
     sm = doc["summary"]
@@ -318,6 +363,13 @@ def format_table(doc: dict) -> str:
         lines.append(f"fused vs best strategy ({sm['best_strategy']}): {sm['speedup_fwd_bwd_vs_best']:.2f}x faster "
                      f"fwd+bwd, " + (f"{memory:.3f}x its peak memory" if memory is not None else
                                      "its peak memory was 0 (n/a)"))
+    if "speedup_fwd_vs_fastest_peer_forward" in sm:
+        line = (f"fused vs fastest peer forward ({sm['fastest_peer_forward']}): "
+                f"{sm['speedup_fwd_vs_fastest_peer_forward']:.2f}x faster forward")
+        if "speedup_fwd_bwd_vs_fastest_peer" in sm:
+            line += (f"; vs fastest peer fwd+bwd ({sm['fastest_peer']}): "
+                     f"{sm['speedup_fwd_bwd_vs_fastest_peer']:.2f}x faster")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -347,8 +399,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nb-features", type=int, default=None, help="Performer features m (default D ln D)")
     p.add_argument("--threshold", type=_threshold, default=None, help="switch size (default the paper's n*)")
-    p.add_argument("--subset", choices=("all", "exact"), default="all",
-                   help="'exact': only the exact-path segments, exact attention everywhere")
+    p.add_argument("--subset", choices=SUBSETS, default="all",
+                   help="'exact': only the exact-path segments, exact attention everywhere; 'performer': only "
+                        "the segments above the threshold (Performer everywhere; the performer-pytorch peers)")
     p.add_argument("--backends", default=None, help="comma list of backends or families (default all)")
     p.add_argument("--alphas", type=_alphas, default=bb.ALPHAS, help="alphas of the partitioned strategy")
     p.add_argument("--memory-cap-gb", type=float, default=DEFAULT_CAP_GB,

@@ -24,6 +24,10 @@ in-process.  What is counted:
   synchronised before every clock read.
 * error: max |o - ref| and ||o - ref|| / ||ref|| of the memory pass's output
   (input set 0) against a float64 reference on the same (rounded) inputs.
+* forward only: a backend without a backward on the device (FlexAttention on
+  the CPU) gets inputs that do not require grad; its memory pass and timed
+  iterations are forwards alone, and its status is ``ok (forward only)`` with
+  the reason in ``forward_only``.
 """
 from __future__ import annotations
 
@@ -42,17 +46,18 @@ from nt_kernels.bench import backends as bb
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
 PROJECTION_SEED_OFFSET = 7919
+FORWARD_ONLY = "ok (forward only)"
 
 
 # ------------------------------------------------------------------ inputs
-def make_inputs(num_rows: int, settings: dict, index: int):
-    """Input set ``index``: q, k, v (E, H, D) requiring grad and grad_output, drawn in float32 from a seed."""
+def make_inputs(num_rows: int, settings: dict, index: int, *, requires_grad: bool = True):
+    """Input set ``index``: q, k, v (E, H, D) (requiring grad) and grad_output, drawn in float32 from a seed."""
     gen = torch.Generator().manual_seed(settings["seed"] * 1000 + index)
     shape = (num_rows, settings["heads"], settings["head_dim"])
     dtype, device = DTYPES[settings["dtype"]], torch.device(settings["device"])
     q, k, v, grad = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(4))
     for t in (q, k, v):
-        t.requires_grad_(True)
+        t.requires_grad_(requires_grad)
     return q, k, v, grad
 
 
@@ -145,6 +150,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _step(fn, q, k, v, grad, backward: bool) -> torch.Tensor:
+    """One forward, and the backward of ``grad`` when ``backward``; returns the output."""
+    out = fn(q, k, v)
+    if backward:
+        out.backward(grad)
+    return out
+
+
 def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
@@ -156,7 +169,7 @@ def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
             "rel_error": diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item()}
 
 
-def tiny_warmup(backend: bb.Backend, ctx: bb.Context, settings: dict) -> None:
+def tiny_warmup(backend: bb.Backend, ctx: bb.Context, settings: dict, *, backward: bool = True) -> None:
     """One forward+backward on a three-segment graph (sizes 1, 4 and one past the threshold).
 
     Run before the memory baseline on the CPU, so that code pages, thread pools
@@ -172,8 +185,10 @@ def tiny_warmup(backend: bb.Backend, ctx: bb.Context, settings: dict) -> None:
     csr = NeighbourhoodCSR(rowptr, torch.arange(rows, device=ctx.device), torch.arange(rows, device=ctx.device),
                            3, big)
     tiny = dataclasses.replace(ctx, csr=csr, hist=None)
-    q, k, v, grad = make_inputs(rows, settings, 999)
-    bb.prepare(backend, tiny)(q, k, v).backward(grad)
+    q, k, v, grad = make_inputs(rows, settings, 999, requires_grad=backward)
+    out = bb.prepare(backend, tiny)(q, k, v)
+    if backward:
+        out.backward(grad)
 
 
 def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: dict,
@@ -184,22 +199,24 @@ def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: 
     pair or a path of a saved one.
     """
     entry = {"backend": backend.name, "family": backend.family, "alpha": backend.alpha}
-    sets = [make_inputs(ctx.num_edges, settings, i) for i in range(settings["input_sets"])]
     try:
+        forward_only = bb.forward_only_reason(backend, ctx)
+        backward = forward_only is None
+        sets = [make_inputs(ctx.num_edges, settings, i, requires_grad=backward)
+                for i in range(settings["input_sets"])]
         if ctx.device.type == "cpu":
-            tiny_warmup(backend, ctx, settings)
+            tiny_warmup(backend, ctx, settings, backward=backward)
         fn = bb.prepare(backend, ctx)
         if ctx.device.type == "cuda":
             q, k, v, grad = sets[0]
-            fn(q, k, v).backward(grad)
+            _step(fn, q, k, v, grad, backward)
         for t in sets[0][:3]:
             t.grad = None
         if guard_memory and ctx.device.type == "cpu":
             limit_address_space(ctx.memory_cap_bytes)
         memory = PeakMemory(ctx.device)
         q, k, v, grad = sets[0]
-        out = fn(q, k, v)
-        out.backward(grad)
+        out = _step(fn, q, k, v, grad, backward)
         entry["peak_memory_bytes"] = memory.peak()
         entry["memory_method"] = memory.method
         out = out.detach()
@@ -213,8 +230,9 @@ def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: 
             o = fn(q, k, v)
             _sync(ctx.device)
             t1 = time.perf_counter()
-            o.backward(grad)
-            _sync(ctx.device)
+            if backward:
+                o.backward(grad)
+                _sync(ctx.device)
             t2 = time.perf_counter()
             del o
             if it >= settings["warmup"]:
@@ -223,8 +241,11 @@ def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: 
     except Exception as exc:  # noqa: BLE001  (every failure is recorded in the results)
         entry["status"] = "OOM" if is_oom(exc) else f"error: {type(exc).__name__}: {str(exc)[:300]}"
         return entry
-    entry.update(status="ok", forward_ms=_median_ms(forward), forward_backward_ms=_median_ms(total),
-                 forward_ms_runs=[x * 1e3 for x in forward], forward_backward_ms_runs=[x * 1e3 for x in total])
+    entry.update(status="ok", forward_ms=_median_ms(forward), forward_ms_runs=[x * 1e3 for x in forward])
+    if backward:
+        entry.update(forward_backward_ms=_median_ms(total), forward_backward_ms_runs=[x * 1e3 for x in total])
+    else:
+        entry.update(status=FORWARD_ONLY, forward_only=forward_only)
     ref = refs.get(backend.semantics)
     if ref is not None:
         tensor, label = ref

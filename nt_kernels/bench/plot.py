@@ -8,9 +8,10 @@ from the checkout as ``make bench`` does),
   memory (log scale), the curve is forward+backward time, across the paper's
   parallel, by-size, partitioned(alpha) and sequential strategies, with our
   fused op as its own bar and a dashed line at its time;
-* writes or replaces one marked block per result file in results.md, and
-  the summary block that lists every result file of the results directory
-  (by default the one holding the published documents).
+* writes or replaces one marked block per result file in results.md, the
+  summary block that lists every result file of the results directory (by
+  default the one holding the published documents), and the peers block
+  ("ours vs what you would write instead": fused against the fastest peer).
 """
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ import json
 import re
 from pathlib import Path
 
+from nt_kernels.bench.measure import FORWARD_ONLY
+
 PLOT_ORDER_FAMILIES = ("parallel", "by-size", "partitioned", "sequential", "fused")
 SUMMARY_KEY = "summary"
+PEERS_KEY = "peers"
 
 
 def _label(entry: dict) -> str:
@@ -36,7 +40,11 @@ def _plotted(doc: dict) -> list[dict]:
 def _settings_text(doc: dict) -> str:
     s = doc["settings"]
     text = f"H={s['heads']}, D={s['head_dim']}, {s['dtype']}"
-    return text + (", exact-path segments only" if s["subset"] == "exact" else "")
+    if s["subset"] == "exact":
+        return text + ", exact-path segments only"
+    if s["subset"] == "performer":
+        return text + ", Performer-path segments only"
+    return text + (", exact attention everywhere" if s["threshold"] == "inf" else "")
 
 
 def plot_efficiency(docs: list[dict], path: Path) -> Path:
@@ -143,10 +151,12 @@ def result_block(doc: dict, json_path: Path) -> str:
              "|---|---:|---:|---:|---:|---|"]
     for e in doc["results"]:
         good = e.get("status") == "ok"
-        lines.append(f"| {e['backend']} | {_fmt(e.get('forward_ms') if good else None, '.1f')} | "
+        ran = good or e.get("status") == FORWARD_ONLY
+        status = f"{e['status']}: {e['forward_only']}" if "forward_only" in e else e["status"]
+        lines.append(f"| {e['backend']} | {_fmt(e.get('forward_ms') if ran else None, '.1f')} | "
                      f"{_fmt(e.get('forward_backward_ms') if good else None, '.1f')} | "
-                     f"{_fmt(e['peak_memory_bytes'] / 2**20 if good else None, '.1f')} | "
-                     f"{_fmt(e.get('max_abs_error') if good else None, '.1e')} | {e['status']} |")
+                     f"{_fmt(e['peak_memory_bytes'] / 2**20 if ran else None, '.1f')} | "
+                     f"{_fmt(e.get('max_abs_error') if ran else None, '.1e')} | {status} |")
     lines += ["", _ratio_sentence(doc)]
     return "\n".join(lines)
 
@@ -166,6 +176,29 @@ def summary_block(results_dir: Path) -> str:
                      f"{best['forward_backward_ms']:.1f} | {_fmt(sm['speedup_fwd_bwd_vs_best'], '.2f')}× | "
                      f"{_fmt(sm['memory_ratio_vs_best'], '.3f')} | "
                      f"{_fmt(sm.get('memory_ratio_vs_partitioned_0.4'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def peers_block(results_dir: Path) -> str:
+    """Table "ours vs what you would write instead": fused against the fastest peer of every result file."""
+    lines = ["| device | graph | settings | fused fwd+bwd ms | fastest peer (fwd+bwd) | its fwd+bwd ms | speed-up "
+             "| memory ratio (fused / peer) | fastest peer (forward) | speed-up forward |",
+             "|---|---|---|---:|---|---:|---:|---:|---|---:|"]
+    for path in sorted(results_dir.glob("*.json")):
+        doc = json.loads(path.read_text())
+        sm, by_name = doc.get("summary", {}), {e["backend"]: e for e in doc["results"]}
+        if "speedup_fwd_vs_fastest_peer_forward" not in sm:
+            continue
+        peer = by_name.get(sm.get("fastest_peer"), {})
+        forward_peer = sm["fastest_peer_forward"]
+        if by_name[forward_peer].get("status") == FORWARD_ONLY:
+            forward_peer += " (forward only)"
+        lines.append(f"| {doc['device']['name']} | {doc['graph']['name']} | {_settings_text(doc)} | "
+                     f"{by_name['fused']['forward_backward_ms']:.1f} | {sm.get('fastest_peer', '–')} | "
+                     f"{_fmt(peer.get('forward_backward_ms'), '.1f')} | "
+                     f"{_fmt(sm.get('speedup_fwd_bwd_vs_fastest_peer'), '.2f')}× | "
+                     f"{_fmt(sm.get('memory_ratio_vs_fastest_peer'), '.3f')} | {forward_peer} | "
+                     f"{_fmt(sm['speedup_fwd_vs_fastest_peer_forward'], '.2f')}× |")
     return "\n".join(lines)
 
 
@@ -192,6 +225,7 @@ def publish(docs: list[tuple[dict, Path]], docs_dir: Path, results_dir: Path | N
     md = docs_dir / "results.md"
     text = md.read_text() if md.is_file() else "# Results\n"
     text = replace_block(text, SUMMARY_KEY, summary_block(results_dir))
+    text = replace_block(text, PEERS_KEY, peers_block(results_dir))
     for doc, path in docs:
         body = result_block(doc, path)
         body += f"\n\n![efficiency figure: {doc['graph']['name']}](efficiency-{path.stem}.png)"

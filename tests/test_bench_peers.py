@@ -1,0 +1,207 @@
+"""The bench peers (what a user would write instead of our op) against the loop reference.
+
+Forward and gradients of pyg-pairs, nested and performer-pytorch-sizes; the
+forward of flex (no FlexAttention backward on the CPU), its block mask against
+``create_block_mask``; the padded performer-pytorch peer reproduces the padding
+leak exactly; the skip / unsupported statuses.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from nt_kernels.bench import backends as bb
+from nt_kernels.bench import peers
+from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.performer import orthogonal_random_features
+from nt_reference import ops as ref
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+H, D, M = 2, 4, 6
+SIZES = [3, 0, 1, 7, 2, 5]          # an empty segment and a single-row one
+
+
+def make_csr(sizes, device="cpu"):
+    sizes = torch.tensor(sizes)
+    rowptr = torch.zeros(sizes.numel() + 1, dtype=torch.long)
+    torch.cumsum(sizes, 0, out=rowptr[1:])
+    rows = int(rowptr[-1])
+    csr = NeighbourhoodCSR(rowptr, torch.arange(rows), torch.zeros(rows, dtype=torch.long), sizes.numel(),
+                           int(sizes.max()))
+    return csr if device == "cpu" else csr.to(device)
+
+
+def make_context(csr, *, dtype=torch.float64, projection=None, threshold=math.inf, cap=1e9):
+    return bb.Context(csr=csr, projection=projection, threshold=threshold, heads=H, head_dim=D, dtype=dtype,
+                      device=csr.rowptr.device, reference_max_edges=10_000, memory_cap_bytes=int(cap))
+
+
+def inputs(rows, dtype=torch.float64, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, H, D, generator=gen, dtype=dtype).to(device).requires_grad_(True) for _ in range(3)]
+
+
+def check_against(fn, expected_fn, q, k, v, *, atol):
+    out = fn(q, k, v)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    expected = expected_fn(q, k, v)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+def exact_reference(csr):
+    return lambda q, k, v: ref.neighbourhood_attention(q, k, v, csr.rowptr)
+
+
+@pytest.mark.parametrize("name", ["pyg-pairs", "nested"])
+def test_exact_peers_match_the_reference(name):
+    csr = make_csr(SIZES)
+    ctx = make_context(csr)
+    backend = bb.Backend(name, name)
+    assert backend.semantics == "exact" and backend.is_peer and bb.skip_reason(backend, ctx) is None
+    check_against(bb.prepare(backend, ctx), exact_reference(csr), *inputs(csr.num_edges), atol=1e-12)
+
+
+def test_pair_index_lists_every_pair_of_a_segment():
+    csr = make_csr(SIZES)
+    query, key = peers.pair_index(csr.rowptr)
+    expected = [(a, b) for s in range(len(SIZES)) for a in range(int(csr.rowptr[s]), int(csr.rowptr[s + 1]))
+                for b in range(int(csr.rowptr[s]), int(csr.rowptr[s + 1]))]
+    assert list(zip(query.tolist(), key.tolist())) == expected
+    assert peers.sum_squared_sizes(make_context(csr)) == len(expected) == sum(n * n for n in SIZES)
+
+
+def test_flex_block_mask_equals_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for sizes in (SIZES, [130, 0, 1, 300, 7, 128], [128, 128, 256]):
+        csr = make_csr(sizes)
+        doc = csr.centre
+        expected = create_block_mask(lambda b, h, q, k: doc[q] == doc[k], None, None, csr.num_edges,
+                                     csr.num_edges, device="cpu")
+        mask = peers.document_block_mask(csr)
+        assert torch.equal(mask.to_dense(), expected.to_dense())
+        assert torch.equal(mask.full_kv_num_blocks, expected.full_kv_num_blocks)
+        assert torch.equal(mask.kv_num_blocks, expected.kv_num_blocks)
+
+
+def test_flex_forward_matches_the_reference():
+    csr = make_csr([130, 0, 1, 300, 7, 128])
+    ctx = make_context(csr, dtype=torch.float32)
+    backend = bb.Backend("flex", "flex")
+    if bb.skip_reason(backend, ctx) is not None:
+        pytest.skip(bb.skip_reason(backend, ctx))
+    reason = bb.forward_only_reason(backend, ctx)
+    q, k, v = inputs(csr.num_edges, dtype=torch.float32, seed=1)
+    fn = bb.prepare(backend, ctx)
+    expected = ref.neighbourhood_attention(*(t.detach().double() for t in (q, k, v)), csr.rowptr)
+    if reason is not None:   # CPU in torch 2.13: FlexAttention has no backward there
+        assert "backward" in reason
+        out = fn(*(t.detach() for t in (q, k, v)))
+    else:
+        out = fn(q, k, v)
+        out.sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["pyg-pairs", "nested", "flex"])
+def test_exact_peers_on_cuda(name):
+    csr = make_csr([130, 0, 1, 300, 7, 128], device="cuda")
+    ctx = make_context(csr, dtype=torch.float32)
+    backend = bb.Backend(name, name)
+    if bb.skip_reason(backend, ctx) is not None:
+        pytest.skip(bb.skip_reason(backend, ctx))
+    assert bb.forward_only_reason(backend, ctx) is None
+    q, k, v = inputs(csr.num_edges, dtype=torch.float32, device="cuda", seed=2)
+    check_against(bb.prepare(backend, ctx),
+                  lambda q, k, v: ref.neighbourhood_attention(q, k, v, csr.rowptr), q, k, v, atol=1e-5)
+
+
+def performer_context(sizes, dtype=torch.float64):
+    csr = make_csr(sizes)
+    projection = orthogonal_random_features(M, D, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    return csr, make_context(csr, dtype=dtype, projection=projection, threshold=2.5)
+
+
+PERFORMER_SIZES = [3, 0, 7, 4, 4, 9, 3]     # every non-empty segment above the threshold 2.5
+
+
+def test_performer_sizes_peer_matches_the_reference():
+    pytest.importorskip("performer_pytorch", reason="performer-pytorch not installed (pip install 'nt-kernels[peers]')")
+    csr, ctx = performer_context(PERFORMER_SIZES)
+    backend = bb.Backend("performer-pytorch-sizes", "performer-pytorch")
+    assert bb.skip_reason(backend, ctx) is None
+    check_against(bb.prepare(backend, ctx),
+                  lambda q, k, v: ref.neighbourhood_attention(q, k, v, csr.rowptr, projection=ctx.projection,
+                                                              threshold=ctx.threshold),
+                  *inputs(csr.num_edges, seed=4), atol=1e-10)
+
+
+def test_padded_performer_peer_leaks_through_its_padded_keys():
+    """FastAttention has no key mask: zero-padded keys enter the normaliser.  The peer equals the reference
+    Performer run on the zero-padded segments, and differs from the unpadded reference."""
+    pytest.importorskip("performer_pytorch", reason="performer-pytorch not installed (pip install 'nt-kernels[peers]')")
+    csr, ctx = performer_context(PERFORMER_SIZES)
+    backend = bb.Backend("performer-pytorch", "performer-pytorch")
+    groups = peers.padded_groups(backend, ctx)
+    assert sum(count for count, _, _ in groups) == 6 and all(performer for _, _, performer in groups)
+    q, k, v = inputs(csr.num_edges, seed=5)
+    out = bb.prepare(backend, ctx)(q, k, v)
+    sizes = torch.diff(csr.rowptr)
+    padded_to = torch.zeros_like(sizes)
+    for segments in peers._group_segments(backend, ctx, sizes):
+        padded_to[segments] = sizes[segments].max()
+    assert (padded_to > sizes).any()
+    expected = []
+    for s in range(len(PERFORMER_SIZES)):
+        lo, hi, length = int(csr.rowptr[s]), int(csr.rowptr[s + 1]), int(padded_to[s])
+        if hi == lo:
+            continue
+        pad = [torch.cat([t[lo:hi], t.new_zeros(length - (hi - lo), H, D)]) for t in (q, k, v)]
+        expected.append(ref.performer_attention(*pad, ctx.projection, 1e-4)[: hi - lo])
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-10, rtol=0)
+    unpadded = ref.neighbourhood_attention(q, k, v, csr.rowptr, projection=ctx.projection, threshold=ctx.threshold)
+    assert (out - unpadded).abs().max() > 1e-3
+
+
+def test_peer_statuses():
+    csr = make_csr(SIZES)
+    pairs = bb.Backend("pyg-pairs", "pyg-pairs")
+    small_cap = make_context(csr, cap=100)
+    assert peers.pairs_estimate_bytes(pairs, small_cap) > 100
+    assert bb.skip_reason(pairs, small_cap).startswith("skipped: est.")
+    assert peers.pairs_estimate_bytes(bb.Backend("nested", "nested"), small_cap) is None
+    performer = bb.Backend("performer-pytorch", "performer-pytorch")
+    assert bb.skip_reason(performer, make_context(csr)) in (
+        "n/a: exact mode (Performer-only peer)",
+        "skipped: performer-pytorch not installed (pip install 'nt-kernels[peers]')")
+    _, mixed = performer_context([1, 5, 2])
+    assert bb.skip_reason(performer, mixed) in (
+        "n/a: graph has exact-path segments (Performer-only peer; use --subset performer)",
+        "skipped: performer-pytorch not installed (pip install 'nt-kernels[peers]')")
+    assert peers.padded_groups(performer, mixed) is None
+
+
+def test_missing_package_and_unsupported_build_statuses(monkeypatch):
+    csr, ctx = performer_context(PERFORMER_SIZES)
+    monkeypatch.setitem(sys.modules, "performer_pytorch", None)      # import raises ImportError
+    assert bb.skip_reason(bb.Backend("performer-pytorch", "performer-pytorch"), ctx) == \
+        "skipped: performer-pytorch not installed (pip install 'nt-kernels[peers]')"
+
+    def no_jagged_sdpa(device):
+        raise RuntimeError("jagged SDPA not built")
+
+    monkeypatch.setattr(peers, "_probes", {})
+    monkeypatch.setattr(peers, "_probe_nested", no_jagged_sdpa)
+    reason = bb.skip_reason(bb.Backend("nested", "nested"), make_context(make_csr(SIZES)))
+    assert reason.startswith("unsupported: nested on cpu in torch ") and "RuntimeError: jagged SDPA not built" in reason
