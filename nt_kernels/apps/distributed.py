@@ -11,6 +11,7 @@ is no communication code of our own.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = ["World", "current", "init_from_env", "launched_by_torchrun", "shard_sampler", "shutdown", "wrap"]
+
+_DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 @dataclass(frozen=True)
@@ -79,16 +82,20 @@ def shutdown() -> None:
 def wrap(model: nn.Module, world: World) -> nn.Module:
     """``model`` in ``DistributedDataParallel`` when the world has several ranks, else unchanged.
 
-    ``broadcast_buffers=False``: NT's only buffers are the Performer
-    projections, fixed after construction and equal on every rank once DDP
-    has broadcast rank 0's module state at wrap time, so re-broadcasting them
-    before every forward would be wasted communication.
+    No buffer broadcast before every forward: NT's only buffers are the
+    Performer projections, fixed after construction and equal on every rank
+    (same seed, and DDP broadcasts rank 0's module state at wrap time), so
+    re-broadcasting them would be wasted communication.
     ``find_unused_parameters=False``: every parameter of NT takes part in every
     forward, so DDP need not walk the autograd graph looking for unused ones.
+    (torch 2.13 names the flag ``forward_sync_buffers`` and still broadcasts
+    the buffers once at wrap time; older torch calls it ``broadcast_buffers``.)
     """
     if world.size == 1:
         return model
-    return DistributedDataParallel(model, device_ids=None, broadcast_buffers=False, find_unused_parameters=False)
+    no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMETERS
+                       else {"broadcast_buffers": False})
+    return DistributedDataParallel(model, device_ids=None, find_unused_parameters=False, **no_forward_sync)
 
 
 def shard_sampler(num_seeds: int, world: World, seed: int) -> DistributedSampler:
