@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.library import register_kernel
 
+from nt_kernels.backends.triton import ntconv_op
 from nt_kernels.backends.triton.plan import build_plan, check_plan, max_packed_tile, shared_memory_per_block
 from nt_kernels.backends.triton.softmax_bwd import softmax_bwd
 from nt_kernels.backends.triton.softmax_fwd import softmax_fwd
@@ -52,6 +53,8 @@ def softmax_bwd_into(dq, dk, dv, grad_o, q, k, v, o, lse, rowptr, segments, plan
 
 
 def register() -> None:
-    """Make these functions the CUDA kernels of ``softmax_fwd_into`` / ``softmax_bwd_into``."""
+    """Make these functions the CUDA kernels of ``softmax_fwd_into`` / ``softmax_bwd_into``, and the
+    fused layer's Triton pipeline (ntconv_op.py) those of ``ntconv_fwd`` / ``ntconv_bwd``."""
     register_kernel("nt_kernels::softmax_fwd_into", "cuda", softmax_fwd_into)
     register_kernel("nt_kernels::softmax_bwd_into", "cuda", softmax_bwd_into)
+    ntconv_op.register()

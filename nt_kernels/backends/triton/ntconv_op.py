@@ -1,0 +1,273 @@
+"""The fused NT layer on CUDA: ``nt_kernels::ntconv_fwd`` / ``ntconv_bwd`` (docs/design.md §9).
+
+Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
+
+1. the prologue (ntconv_gemm.py): gathered node terms (+ edge term), GELU,
+   counter dropout, z · w_qkvᵀ + b_qkv -> the chunk's q, k, v;
+2. attention in place: the Triton exact kernels on the chunk's work list and,
+   for segments above the threshold, ``nt_kernels::performer_fwd_into`` (the
+   CUDA Performer kernel; the dispatcher picks it by device);
+3. the output projection y = o · w_outᵀ + b_out (message m = GELU(y));
+4. gates (gated aggregators) and the receiver reduction (ntconv_reduce.py),
+   merged into per-receiver running state in chunk order; ``out``, ``stats``
+   are finished from that state at the end.
+
+The backward recomputes 1-3 per chunk, gets dy from the saved (out, stats,
+lse) (ntconv_grad.py), then do = dy · w_out, the attention backward, and
+du = (dqkv · w_qkv) · dz/du; weight gradients are per-chunk fp32 ``torch.mm``
+partials added in chunk order, d_centre a per-segment sum, d_receiver_term a
+receiver reduction like the forward's.  No float atomics anywhere.
+
+Dtypes (as the CPU op): node terms and edge features in one dtype, the
+parameters in another (autocast casts only the parameters), each float32,
+bfloat16 or float16; q, k, v, o and ``out`` are in the parameters' dtype, the
+per-message GEMMs run on that dtype's tensor cores with fp32 accumulation
+(fp32 at full precision unless ``torch.backends.cuda.matmul.allow_tf32``), and
+everything else (GELU, dropout, gates, reductions, weight gradients) is fp32.
+
+The implementations are plain functions (registered for CUDA by
+:func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
+them directly: the Triton stages run in the interpreter and the Performer
+stage dispatches to the CPU C++ kernel (the CUDA Performer kernel itself is
+not exercised there).
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import register_kernel
+
+from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
+from nt_kernels.backends.triton.ntconv_gemm import prologue, rows_gemm
+from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
+                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, message_grad)
+from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, gate_values,
+                                                      receive, segment_softmax, segment_sum)
+from nt_kernels.backends.triton.softmax_bwd import softmax_bwd
+from nt_kernels.backends.triton.softmax_fwd import softmax_fwd
+
+__all__ = ["ARG_NAMES", "ntconv_bwd", "ntconv_fwd", "problem", "prologue", "register", "segment_of_rows"]
+
+
+class ReceiverState:
+    """Running per-receiver state of a receiver reduction (fp32): the accumulator (rows, C), and
+    the online-softmax max / sum (rows, H) or the max's tie count (rows, C) where the mode needs them."""
+
+    def __init__(self, rows: int, p: Problem, mode: int, out_type: torch.Tensor):
+        dev, c, h = p.device, p.channels, p.heads
+        fill = float("-inf") if mode == AGG_MAX else 0.0
+        self.acc = torch.full((rows, c), fill, dtype=torch.float32, device=dev)
+        self.run_max = torch.full((rows, h), float("-inf"), device=dev) if mode == AGG_SOFTMAX else self.acc
+        self.run_sum = torch.zeros((rows, h), device=dev) if mode == AGG_SOFTMAX else self.acc
+        self.count = torch.zeros((rows, c), device=dev) if mode == AGG_MAX else self.acc
+        self.out_type = out_type
+
+
+class Saved:
+    """What the backward reads of the forward: grad_out, out and stats."""
+
+    def __init__(self, grad_out, out, stats):
+        self.grad_out, self.out, self.stats = grad_out, out, stats
+
+
+def _aggregation_mode(p: Problem) -> int:
+    if p.aggr == "max":
+        return AGG_MAX
+    if p.aggr == "gated_sum" or (p.aggr == "weighted_mean" and p.gate_group == "centre"):
+        return AGG_GATED
+    return AGG_SOFTMAX if p.aggr == "weighted_mean" else AGG_SUM
+
+
+def segment_of_rows(chunk) -> torch.Tensor:
+    """(rows,) int64 centre node (segment id) of each of the chunk's rows."""
+    rows = torch.arange(chunk.rows, device=chunk.rowptr.device)
+    return torch.searchsorted(chunk.rowptr, rows, right=True) - 1 + chunk.seg0
+
+
+def _attention_fwd(p: Problem, chunk, o, lse, q, k, v) -> None:
+    if chunk.exact_plan is not None:
+        softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32)
+    if chunk.performer is not None:
+        torch.ops.nt_kernels.performer_fwd_into(o, q, k, v, chunk.rowptr, chunk.performer, p.projection, p.eps)
+
+
+def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
+    if chunk.exact_plan is not None:
+        softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32)
+    if chunk.performer is not None:
+        torch.ops.nt_kernels.performer_bwd_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
+                                                p.projection, p.eps)
+
+
+def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
+    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du); z and dz/du only in the backward."""
+    rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
+    qkv = torch.empty((3, rows, p.heads, p.head_dim), dtype=p.dtype, device=p.device)
+    z = torch.empty((rows, p.channels), dtype=torch.float32, device=p.device) if backward else None
+    jac = torch.empty_like(z) if backward else None
+    prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
+    q, k, v = qkv.unbind(0)
+    o = torch.zeros_like(q)
+    _attention_fwd(p, chunk, o, lse, q, k, v)
+    y = torch.empty((rows, p.out_channels), dtype=torch.float32, device=p.device)
+    c = p.channels
+    rows_gemm(y, o, p.w_out, rows=rows, k=c, n=p.out_channels, a_split=c, a_part=0, a_row=c, w_k=1, w_n=c,
+              bias=p.b_out, dot_prec=prec, bf16_emu=emu)
+    return y, o, q, k, v, z, jac
+
+
+def _gates(p: Problem, chunk, y):
+    """Per-(row, head) gate for the reduction: sigmoid(gamma), gamma, or the centre softmax."""
+    if p.aggr not in ("weighted_mean", "gated_sum"):
+        return None
+    gate = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device)
+    gate_values(gate, y, chunk.rows, p.heads, p.head_dim, sigmoid=p.aggr == "gated_sum")
+    if p.aggr == "weighted_mean" and p.gate_group == "centre":
+        segment_softmax(gate, chunk.rowptr, chunk.seg1 - chunk.seg0, p.heads)
+    return gate
+
+
+def _finish(p: Problem, state: ReceiverState, mode: int):
+    """(out, stats) from the running state."""
+    acc = state.acc
+    stats = torch.zeros(0, dtype=torch.float32, device=p.device)
+    if p.aggr == "mean":
+        acc = acc / torch.diff(p.recv_rowptr).clamp(min=1).unsqueeze(1).to(acc.dtype)
+    elif mode == AGG_MAX:
+        acc = torch.where(torch.isnan(acc) | (state.count > 0), acc, torch.zeros_like(acc))
+        stats = state.count
+    elif mode == AGG_SOFTMAX:
+        total = state.run_sum.unsqueeze(2)
+        heads = acc.view(-1, p.heads, p.head_dim)
+        acc = torch.where(total == 0, torch.zeros_like(heads), heads / total).view(-1, p.channels)
+        stats = torch.where(state.run_sum == 0, torch.zeros_like(state.run_sum),
+                            state.run_max + torch.log(state.run_sum))  # 0 for empty receivers, as on CPU
+    return acc.to(p.dtype), stats
+
+
+def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out, rowptr, receiver, perm,
+               recv_rowptr, recv_perm, exact_segments, performer_segments, exact_plan, projection, seed, heads,
+               aggr, gate_group, dropout, scale, eps, *, chunk_rows=None):
+    """Triton implementation of ``nt_kernels::ntconv_fwd`` -> (out, lse, stats).
+
+    ``chunk_rows`` (tests only) overrides the chunk size of a plan built here.
+    """
+    p = problem("ntconv_fwd", locals())
+    out = torch.empty((p.num_out, p.channels), dtype=p.dtype, device=p.device)
+    lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
+    mode = _aggregation_mode(p)
+    state = ReceiverState(p.num_out, p, mode, out)
+    gated = p.aggr in ("weighted_mean", "gated_sum")
+    d, c = p.head_dim, p.channels
+    for chunk in p.plan.chunks:
+        seg_of_row = segment_of_rows(chunk)
+        y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], backward=False)[0]
+        receive(state, y, chunk, p.plan.groups, heads=p.heads, dim=d, row=p.out_channels,
+                head_stride=2 * d if gated else d, value_off=d if gated else 0, mode=mode, apply_gelu=True,
+                gate=_gates(p, chunk, y), bf16_emu=p.bf16_emu)
+    result, stats = _finish(p, state, mode)
+    out.copy_(result)
+    return out, lse, stats
+
+
+def _message_grad(p: Problem, chunk, y, seg_of_row, saved: Saved):
+    """dy (rows, C_out) for one chunk."""
+    dy = torch.empty_like(y)
+    if p.aggr == "weighted_mean" and p.gate_group == "centre":
+        gate = _gates(p, chunk, y)
+        wa = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device)
+        message_grad(dy, y, GRAD_CENTRE_A, p, chunk, saved, seg_of_row, gate=gate, wa=wa, bf16_emu=p.bf16_emu)
+        num_seg = chunk.seg1 - chunk.seg0
+        seg_sum = torch.empty((num_seg, p.heads), dtype=torch.float32, device=p.device)
+        segment_sum(seg_sum, wa, chunk.rowptr, num_seg, p.heads)
+        message_grad(dy, y, GRAD_CENTRE_B, p, chunk, saved, seg_of_row, gate=gate, seg_sum=seg_sum,
+                     bf16_emu=p.bf16_emu)
+        return dy
+    mode = {"sum": GRAD_SUM, "mean": GRAD_MEAN, "max": GRAD_MAX, "gated_sum": GRAD_GATED_SUM,
+            "weighted_mean": GRAD_SOFTMAX}[p.aggr]
+    message_grad(dy, y, mode, p, chunk, saved, seg_of_row, bf16_emu=p.bf16_emu)
+    return dy
+
+
+class Grads:
+    """fp32 gradient accumulators of one backward call (None where not asked for)."""
+
+    def __init__(self, p: Problem, input_mask):
+        dev, c, f32 = p.device, p.channels, torch.float32
+        self.centre = torch.zeros((p.num_nodes, c), dtype=f32, device=dev) if input_mask[0] else None
+        self.receiver = ReceiverState(p.num_nodes, p, AGG_SUM, p.centre) if input_mask[1] else None
+        has_edge = p.edge_attr is not None
+        self.edge_attr = torch.zeros_like(p.edge_attr) if has_edge and input_mask[2] else None
+        self.w_edge = torch.zeros((c, p.edge_dim), dtype=f32, device=dev) if has_edge else None
+        self.w_qkv = torch.zeros((3 * c, c), dtype=f32, device=dev)
+        self.b_qkv = torch.zeros(3 * c, dtype=f32, device=dev)
+        self.w_out = torch.zeros((p.out_channels, c), dtype=f32, device=dev)
+        self.b_out = torch.zeros(p.out_channels, dtype=f32, device=dev)
+
+
+def _input_grads(p: Problem, chunk, g: Grads, du, z, dqkv) -> None:
+    """Weight gradients of the prologue and the input gradients from du for one chunk."""
+    c = p.channels
+    flat = dqkv.view(3, chunk.rows, c).float()
+    g.w_qkv.view(3, c, c).add_(torch.bmm(flat.transpose(1, 2), z.expand(3, -1, -1)))
+    g.b_qkv.view(3, c).add_(flat.sum(1))
+    if g.centre is not None:
+        segment_sum(g.centre[chunk.seg0:], du, chunk.rowptr, chunk.seg1 - chunk.seg0, c)
+    if g.receiver is not None:
+        receive(g.receiver, du, chunk, p.plan.groups, heads=p.heads, dim=p.head_dim, row=c, head_stride=p.head_dim,
+                value_off=0, mode=AGG_SUM, apply_gelu=False)
+    if p.edge_attr is not None:
+        edges = p.perm[chunk.row0:chunk.row1]
+        g.w_edge.add_(du.t() @ p.edge_attr.index_select(0, edges).float())
+        if g.edge_attr is not None:
+            g.edge_attr.index_copy_(0, edges, (du @ p.w_edge.float()).to(g.edge_attr.dtype))
+
+
+def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
+    rows, c, prec, emu = chunk.rows, p.channels, p.dot_prec, p.bf16_emu
+    seg_of_row = segment_of_rows(chunk)
+    lse = torch.zeros((rows, p.heads), dtype=torch.float32, device=p.device)
+    # Recompute steps 1-3, then dy from the saved state.
+    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True)
+    dy = _message_grad(p, chunk, y, seg_of_row, saved)
+    # Output projection: weight partials, then do = dy · w_out.
+    g.w_out.add_(dy.t() @ o.view(rows, c).float())
+    g.b_out.add_(dy.sum(0))
+    do = torch.empty_like(o)
+    rows_gemm(do, dy, p.w_out, rows=rows, k=p.out_channels, n=c, a_split=p.out_channels, a_part=0,
+              a_row=p.out_channels, w_k=c, w_n=1, dot_prec=prec, bf16_emu=emu)
+    # Attention backward, then du = (dqkv · w_qkv) · dz/du.
+    dqkv = torch.zeros((3, rows, p.heads, p.head_dim), dtype=p.dtype, device=p.device)
+    _attention_bwd(p, chunk, dqkv[0], dqkv[1], dqkv[2], do, q, k, v, o, lse)
+    du = torch.empty((rows, c), dtype=torch.float32, device=p.device)
+    rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=rows * c, a_row=c, w_k=c, w_n=1,
+              mul=jac, dot_prec=prec, bf16_emu=emu)
+    _input_grads(p, chunk, g, du, z, dqkv)
+
+
+def ntconv_bwd(grad_out, out, lse, stats, centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out,
+               rowptr, receiver, perm, recv_rowptr, recv_perm, exact_segments, performer_segments, exact_plan,
+               projection, seed, heads, aggr, gate_group, dropout, scale, eps, input_mask, *, chunk_rows=None):
+    """Triton implementation of ``nt_kernels::ntconv_bwd`` -> the eight gradients of docs/design.md §9."""
+    p = problem("ntconv_bwd", locals())
+    saved = Saved(grad_out.to(p.dtype).contiguous(), out.contiguous(), stats.contiguous())
+    g = Grads(p, input_mask)
+    for chunk in p.plan.chunks:
+        _backward_chunk(p, chunk, saved, g)
+    empty = p.centre.new_zeros(0)  # gradients not asked for, or of absent inputs (as the fake kernel)
+
+    def final(grad, like):
+        return empty if grad is None else grad.to(like.dtype)
+    d_receiver = None if g.receiver is None else g.receiver.acc
+    return (final(g.centre, centre), final(d_receiver, receiver_term),
+            empty if g.edge_attr is None else g.edge_attr, final(g.w_edge, p.centre if w_edge is None else w_edge),
+            final(g.w_qkv, w_qkv), final(g.b_qkv, b_qkv), final(g.w_out, w_out), final(g.b_out, b_out))
+
+
+def register() -> bool:
+    """Make these functions the CUDA kernels of ``ntconv_fwd`` / ``ntconv_bwd`` once the op
+    schemas exist (csrc/ops/ntconv.cpp); returns whether they were registered."""
+    if not hasattr(torch.ops.nt_kernels, "ntconv_fwd"):
+        return False
+    register_kernel("nt_kernels::ntconv_fwd", "cuda", ntconv_fwd)
+    register_kernel("nt_kernels::ntconv_bwd", "cuda", ntconv_bwd)
+    return True
