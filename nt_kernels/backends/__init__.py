@@ -15,7 +15,7 @@ import importlib
 
 import torch
 
-__all__ = ["exact_plan", "has_triton", "register_backends", "triton_registered"]
+__all__ = ["exact_plan", "has_triton", "ntconv_plan", "register_backends", "triton_registered"]
 
 _registered = {"done": False, "triton": False}
 
@@ -62,3 +62,17 @@ def exact_plan(csr, threshold: float, segments: torch.Tensor, q: torch.Tensor) -
     max_tile = max_packed_tile(q.dtype, q.shape[2], shared_memory_per_block(q.device))
     return csr.plan(("exact-plan", float(threshold), max_tile),
                     lambda: build_plan(csr.rowptr, segments, num_rows=csr.num_edges, max_tile=max_tile))
+
+
+def ntconv_plan(csr, rcsr, threshold: float, centre: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """The fused layer's work plan on CUDA (nt_kernels/backends/triton/ntconv_plan.py) for ``csr``,
+    its receiver CSR ``rcsr``, the split at ``threshold`` and the layer's (dtype, C, heads), cached
+    on ``csr``: what ``nt_kernels::ntconv_fwd`` / ``ntconv_bwd`` take as ``exact_plan`` there.
+
+    None off CUDA or without the Triton kernels (the CPU kernel plans for itself).
+    """
+    if centre.device.type != "cuda" or not _registered["triton"]:
+        return None
+    from nt_kernels.backends.triton.ntconv_plan import cached_plan
+
+    return cached_plan(csr, rcsr, threshold, centre.dtype, centre.shape[1], heads)
