@@ -41,8 +41,6 @@ header, so building a plan needs no host sync.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = ["PLAN_BLOCK", "SM90_SHARED_MEMORY", "TILE_HEIGHTS", "build_plan", "check_plan", "describe_plan",
@@ -72,12 +70,14 @@ def max_packed_tile(dtype: torch.dtype, head_dim: int, shared_memory: int = SM90
     against each architecture's limit.
     """
     padded = max(16, 1 << (int(head_dim) - 1).bit_length())
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     fitting = [t for t in TILE_HEIGHTS if PACKED_OPERANDS * t * padded * item <= shared_memory]
     return fitting[-1] if fitting else TILE_HEIGHTS[0]
 
 
-@functools.lru_cache(maxsize=None)
+_SHARED_MEMORY: dict[int, int] = {}  # CUDA device index -> opt-in shared memory per block
+
+
 def _cuda_shared_memory(index: int) -> int:
     props = torch.cuda.get_device_properties(index)
     value = getattr(props, "shared_memory_per_block_optin", None)
@@ -89,10 +89,16 @@ def _cuda_shared_memory(index: int) -> int:
 
 
 def shared_memory_per_block(device: torch.device) -> int:
-    """Opt-in shared memory per block of a CUDA device, in bytes (sm_90's off CUDA, e.g. under the interpreter)."""
+    """Opt-in shared memory per block of a CUDA device, in bytes (sm_90's off CUDA, e.g. under the interpreter).
+
+    Read once per device (a plain dict, so a compiled region that runs after an
+    eager call only reads it)."""
     if device.type != "cuda":
         return SM90_SHARED_MEMORY
-    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        _SHARED_MEMORY[index] = _cuda_shared_memory(index)
+    return _SHARED_MEMORY[index]
 
 
 def _size_class(n: int, max_tile: int) -> int:
