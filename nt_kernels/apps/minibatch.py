@@ -150,14 +150,14 @@ def add_arguments(parser) -> None:
     """The mini-batch, data-parallel and checkpoint options of ``nt-kernels train``."""
     group = parser.add_argument_group(
         "mini-batches, data parallel, checkpoints",
-        "Under `torchrun --nproc-per-node N -m nt_kernels.cli train ...` every process trains on its own shard of "
-        "the training nodes (DDP; gloo on CPU, NCCL on CUDA) and only rank 0 prints and writes files.")
+        "Under `torchrun --nproc-per-node N -m nt_kernels.cli train ...` every process trains on its own\n"
+        "shard of the training nodes (DDP; gloo on CPU, NCCL on CUDA); only rank 0 prints and writes files.")
     group.add_argument("--batch-size", type=int, default=None,
                        help="training seeds per batch and process; default: full batch (one process) or the "
                             "process's whole shard (torchrun)")
     group.add_argument("--num-neighbors", type=parse_num_neighbors, default=None,
-                       help="fan-out per layer for NeighborLoader, seeds' layer first, e.g. 15,10 (write "
-                            "--num-neighbors=-1,-1 for whole neighbourhoods; the default)")
+                       help="fan-out per layer, seeds' layer first, e.g. 15,10; NeighborLoader samples two hops "
+                            "per NT layer with it (write --num-neighbors=-1,-1 for whole neighbourhoods: the default)")
     group.add_argument("--eval-batch-size", type=int, default=None,
                        help="evaluate layer-wise over batches of this many nodes (default: full batch)")
     group.add_argument("--save", default=None,

@@ -1,10 +1,16 @@
-"""Full-batch node classification with NT: the paper's protocol, its presets, the ``train`` CLI and the demo.
+"""Node classification with NT: the paper's protocol, the training loop, the ``train`` CLI and the demo.
 
 Protocol (paper §5): Adam with learning rate 1e-3, at most ``epochs`` epochs,
 early stopping after ``patience`` epochs without a better validation score;
 the reported test score is the one at the best validation epoch; runs go over
 the dataset's fixed splits and report mean ± std.  The score is ROC-AUC for
 two classes, accuracy otherwise.
+
+Full batch by default; ``--batch-size`` trains on NeighborLoader mini-batches
+of seed nodes, and under ``torchrun --nproc-per-node N -m nt_kernels.cli train``
+every process trains on its own shard of the seeds through DDP (only rank 0
+prints and writes files); ``--save`` / ``--resume`` keep the best-validation
+checkpoint (docs/nn.md, "Mini-batches and data parallel").
 """
 from __future__ import annotations
 
