@@ -1,4 +1,4 @@
-"""The ``nt-kernels`` command: info, demo, bench, train."""
+"""The ``nt-kernels`` command: info, check, demo, bench, train."""
 from __future__ import annotations
 
 import argparse
@@ -61,7 +61,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nt_kernels.apps import demo, train
+    from nt_kernels.apps import check, demo, train
     from nt_kernels.bench import cli as bench
 
     parser = argparse.ArgumentParser(
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, devices and which kernels are built and used")
     info.set_defaults(func=run_info)
+    check.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)
     train.add_parser(sub)
