@@ -205,6 +205,13 @@ def test_graph_cache_keeps_only_the_last_batch():
     gc.collect()
     assert len(seen) == 6 and [ref() is not None for ref in seen] == [False] * 5 + [True]
     assert all(conv._graphs.csr is None for conv in model.convs)   # NT hands its CSR to the layers
+    conv, seen = model.convs[0], []                                 # a lone NTConv keeps one entry as well
+    for batch in nt_loader(as_pyg(graph), [3], batch_size=15, input_nodes=torch.arange(45)):
+        conv(model.encoder(batch.x), batch.edge_index).sum().backward()
+        seen.append(weakref.ref(conv._graphs.csr))
+    del batch
+    gc.collect()
+    assert [ref() is not None for ref in seen] == [False, False, True]
 
 
 def config(**overrides):
