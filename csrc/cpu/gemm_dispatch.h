@@ -1,10 +1,9 @@
 // mm_acc: the small GEMM of one ISA build of a kernel file.
 //
-// Included by the kernel bodies (segment_softmax_impl.h,
-// segment_performer_impl.h), which are themselves included once per ISA
-// namespace; so no include guard.  The including file sets NT_CPU_AVX2 to 1
-// in its AVX2+FMA namespace (where gemm_avx2.h may be used) and to 0 in its
-// baseline one.
+// Included by a kernel file once in each ISA namespace (cpu/isa.h), before
+// the kernel bodies (*_impl.h) that call mm_acc; so no include guard.  The
+// including file sets NT_CPU_AVX2 to 1 in its AVX2+FMA namespace (where
+// gemm_avx2.h may be used) and to 0 in its baseline one.
 
 // C (rows x N, stride ldc) += A (rows x K, or K x rows when A_T) times B (K x N,
 // stride ldb): AVX2 intrinsics for float32 in the AVX2 build, small_gemm.h otherwise.

@@ -10,7 +10,7 @@
 //   #pragma GCC target("avx2,fma")
 //   #define NT_CPU_AVX2 1
 //   #include "cpu/gemm_dispatch.h"
-//   #include "cpu/<kernel>_impl.h"
+//   #include "cpu/<kernel>_impl.h"       (no include guards: once per namespace)
 //   #undef NT_CPU_AVX2
 //   #pragma GCC pop_options
 //   }  // namespace isa_avx2

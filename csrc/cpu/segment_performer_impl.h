@@ -1,9 +1,10 @@
 // Kernel bodies of the Performer (FAVOR+) CPU segment attention.
 //
-// Included twice by segment_performer_kernel.cpp (AVX2+FMA and baseline ISA,
-// each in its own namespace), so it has no include guard and includes only the
-// per-ISA gemm_dispatch.h (the including file provides simd_math.h,
-// small_gemm.h, gemm_avx2.h and the PerformerArgs / PerformerKernels structs).
+// Included once per ISA namespace (cpu/isa.h) by every file that runs these
+// kernels (segment_performer_kernel.cpp, ntconv_kernel.cpp), so it has no
+// include guard; the including file provides simd_math.h, small_gemm.h,
+// gemm_avx2.h, segment_performer_args.h and, in the same namespace before this
+// file, the per-ISA gemm_dispatch.h.
 //
 // Notation (DESIGN §4), per head: Pc = c P (m x D) and its transpose PcT,
 // c = D^-1/4, u = x Pc^T, diag = c^2 |x|^2 / 2, w = u - diag,
@@ -14,8 +15,6 @@
 //   S = fs (sum_b exp(M_b - M) S'_b + eps vsum),  z = fs (sum_b exp(M_b - M) z'_b + eps n).
 // Statistics layout per head (stats_size = 1 + m D + m + D):
 //   [M | S or S' or dS (m x D) | z or z' or dz (m) | vsum (D)].
-
-#include "cpu/gemm_dispatch.h"
 
 // Rows are processed in groups of PERFORMER_GROUP so that every product is a
 // small GEMM (small_gemm.h).  Group scratch (acc_t), see GroupScratch below.

@@ -28,51 +28,12 @@
 #pragma GCC optimize("no-trapping-math")
 #include "cpu/gemm_avx2.h"
 #include "cpu/isa.h"
+#include "cpu/segment_performer_args.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
 
 namespace nt_kernels::cpu {
-
-// Rows per block of a long segment, and the largest segment done as one item.
-constexpr int64_t PERFORMER_BLOCK = 512;
-// Rows per group inside a block: the row count of the small GEMMs.
-constexpr int64_t PERFORMER_GROUP = 32;
-
-template <typename scalar_t>
-struct PerformerArgs {
-  using acc_t = acc_type_t<scalar_t>;
-  const scalar_t* q = nullptr;
-  const scalar_t* k = nullptr;
-  const scalar_t* v = nullptr;
-  const scalar_t* grad_o = nullptr;  // backward: dO
-  scalar_t* out = nullptr;           // forward: o
-  scalar_t* dq = nullptr;
-  scalar_t* dk = nullptr;
-  scalar_t* dv = nullptr;
-  const acc_t* proj = nullptr;    // m x D: c P
-  const acc_t* proj_t = nullptr;  // D x m: (c P)^T
-  int64_t H = 0, D = 0, m = 0;
-  int64_t stats_size = 0;  // 1 + m D + m + D
-  acc_t half_c2 = 0;       // c^2 / 2
-  acc_t feat_scale = 0;    // m^-1/2
-  acc_t eps = 0;
-};
-
-// The per-item entry points of segment_performer_impl.h for one ISA.
-template <typename scalar_t>
-struct PerformerKernels {
-  using acc_t = acc_type_t<scalar_t>;
-  using Args = PerformerArgs<scalar_t>;
-  void (*block_stats)(const Args&, int64_t, int64_t, acc_t*, acc_t*);
-  void (*combine)(const Args&, const acc_t*, int64_t, int64_t, acc_t*);
-  void (*combine_grad)(const Args&, const acc_t*, int64_t, acc_t*);
-  void (*queries_fwd)(const Args&, int64_t, int64_t, const acc_t*, acc_t*);
-  void (*queries_bwd)(const Args&, int64_t, int64_t, const acc_t*, acc_t*, acc_t*);
-  void (*keys_bwd)(const Args&, int64_t, int64_t, const acc_t*, acc_t*);
-  void (*segment_fwd)(const Args&, int64_t, int64_t, acc_t*);
-  void (*segment_bwd)(const Args&, int64_t, int64_t, acc_t*);
-};
 
 // One build per ISA (cpu/isa.h).
 #if NT_CPU_X86
@@ -80,6 +41,7 @@ namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #define NT_CPU_AVX2 1
+#include "cpu/gemm_dispatch.h"
 #include "cpu/segment_performer_impl.h"
 #undef NT_CPU_AVX2
 #pragma GCC pop_options
@@ -88,6 +50,7 @@ namespace isa_avx2 {
 
 namespace isa_base {
 #define NT_CPU_AVX2 0
+#include "cpu/gemm_dispatch.h"
 #include "cpu/segment_performer_impl.h"
 #undef NT_CPU_AVX2
 }  // namespace isa_base
@@ -162,27 +125,13 @@ void run_performer(const char* op, const at::Tensor& q, const at::Tensor& rowptr
   using acc_t = acc_type_t<scalar_t>;
   const int64_t H = q.size(1), D = q.size(2), m = projection.size(0);
   TORCH_CHECK(m >= 1, op, ": projection must have at least one row (feature)");
-  // Pc = c P and its transpose, in the accumulation type.
-  const double c = std::pow(static_cast<double>(D), -0.25);
-  const at::Tensor proj = (projection.to(c10::CppTypeToScalarType<acc_t>::value) * c).contiguous();
-  const at::Tensor proj_t = proj.t().contiguous();
+  const PerformerProjection proj = performer_setup(args, projection, H, D, eps);
   args.q = q.data_ptr<scalar_t>();
-  args.proj = proj.data_ptr<acc_t>();
-  args.proj_t = proj_t.data_ptr<acc_t>();
-  args.H = H;
-  args.D = D;
-  args.m = m;
-  args.stats_size = 1 + m * D + m + D;
-  args.half_c2 = static_cast<acc_t>(0.5 * c * c);
-  args.feat_scale = static_cast<acc_t>(1.0 / std::sqrt(static_cast<double>(m)));
-  args.eps = static_cast<acc_t>(eps);
   const Plan plan(rowptr, segments);
   // Statistics of long segments: per block partials, and per segment totals.
   std::vector<acc_t> parts(plan.num_slots * H * args.stats_size);
   std::vector<acc_t> totals(plan.bigs.size() * H * args.stats_size);
-  // [part | seg | w (BLOCK x m) | group scratch (3 G D + 3 G m + 2 G + D m)].
-  const int64_t scratch_size = 2 * args.stats_size + PERFORMER_BLOCK * m +
-                               PERFORMER_GROUP * (3 * D + 3 * m + 2) + D * m;
+  const int64_t scratch_size = performer_scratch_size(D, m);
   run(plan, parts.data(), totals.data(), scratch_size);
 }
 

@@ -1,10 +1,10 @@
 // Kernel bodies of the exact (softmax) CPU segment attention.
 //
-// This file is included twice by segment_softmax_kernel.cpp, once inside a
-// `#pragma GCC target("avx2,fma")` region and once for the baseline ISA, each
-// time inside its own namespace; so it has no include guard and includes only
-// the per-ISA gemm_dispatch.h (the including file provides <ATen/ATen.h>,
-// simd_math.h, small_gemm.h, gemm_avx2.h and the SoftmaxArgs struct).
+// Included once per ISA namespace (cpu/isa.h) by every file that runs these
+// kernels (segment_softmax_kernel.cpp, ntconv_kernel.cpp), so it has no include
+// guard; the including file provides <ATen/ATen.h>, simd_math.h, small_gemm.h,
+// gemm_avx2.h, segment_softmax_args.h and, in the same namespace before this
+// file, the per-ISA gemm_dispatch.h.
 //
 // Every function handles one *run*: rows [r0, r1) of one segment (rows
 // relative to the segment start `start`, segment size n), for all heads.
@@ -19,8 +19,6 @@
 // pass B) is copied transposed (D x block) into scratch for the score GEMMs;
 // the GEMMs that sum over the block read its rows in place (float32) or a
 // converted copy (other types).
-
-#include "cpu/gemm_dispatch.h"
 
 // x (rows x D, row stride `stride`) times `mul`, transposed into out (D x rows).
 template <typename scalar_t, typename acc_t>

@@ -27,44 +27,12 @@
 #pragma GCC optimize("no-trapping-math")
 #include "cpu/gemm_avx2.h"
 #include "cpu/isa.h"
+#include "cpu/segment_softmax_args.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
 #include "cpu/work_balance.h"
 
 namespace nt_kernels::cpu {
-
-// Keys (forward, pass A) or queries (pass B) per transposed block in scratch.
-constexpr int64_t SOFTMAX_BLOCK = 128;
-// Rows per chunk of a run: the row count of the small GEMMs, which share one
-// transposed block.
-constexpr int64_t SOFTMAX_CHUNK = 32;
-
-// The largest of the three kernels' scratch layouts (pass B's).
-inline int64_t softmax_scratch_size(int64_t D) {
-  return 4 * D * SOFTMAX_BLOCK + 4 * SOFTMAX_CHUNK * D + 2 * SOFTMAX_CHUNK * SOFTMAX_BLOCK +
-         2 * SOFTMAX_BLOCK + 3 * SOFTMAX_CHUNK;
-}
-
-template <typename scalar_t>
-struct SoftmaxArgs {
-  using acc_t = acc_type_t<scalar_t>;
-  const scalar_t* q = nullptr;
-  const scalar_t* k = nullptr;
-  const scalar_t* v = nullptr;
-  const scalar_t* o = nullptr;       // backward: forward output
-  const scalar_t* grad_o = nullptr;  // backward: dO
-  const float* lse_in = nullptr;     // backward: saved lse
-  scalar_t* out = nullptr;           // forward: o
-  float* lse = nullptr;              // forward: lse
-  scalar_t* dq = nullptr;
-  scalar_t* dk = nullptr;
-  scalar_t* dv = nullptr;
-  acc_t* row_lse = nullptr;    // backward scratch (E * H): lse per row in acc_t
-  acc_t* row_delta = nullptr;  // backward scratch (E * H): dO . O per row
-  int64_t H = 0;
-  int64_t D = 0;
-  acc_t scale = 0;
-};
 
 // One build per ISA (cpu/isa.h).
 #if NT_CPU_X86
@@ -72,6 +40,7 @@ namespace isa_avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #define NT_CPU_AVX2 1
+#include "cpu/gemm_dispatch.h"
 #include "cpu/segment_softmax_impl.h"
 #undef NT_CPU_AVX2
 #pragma GCC pop_options
@@ -80,6 +49,7 @@ namespace isa_avx2 {
 
 namespace isa_base {
 #define NT_CPU_AVX2 0
+#include "cpu/gemm_dispatch.h"
 #include "cpu/segment_softmax_impl.h"
 #undef NT_CPU_AVX2
 }  // namespace isa_base
