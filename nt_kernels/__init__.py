@@ -16,10 +16,10 @@ from nt_kernels.performer import default_nb_features, orthogonal_random_features
 
 __version__ = "0.1.0"
 
-_OPS = ("neighbourhood_attention", "segment_performer_attention", "segment_softmax_attention")
+_OPS = ("neighbourhood_attention", "ntconv", "segment_performer_attention", "segment_softmax_attention")
 
 try:
-    from nt_kernels.ops import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
+    from nt_kernels.ops import neighbourhood_attention, ntconv, segment_performer_attention, segment_softmax_attention
 except ImportError as _exc:
     if "nt_kernels._C" not in str(_exc):
         raise
@@ -42,6 +42,7 @@ __all__ = [
     "NeighbourhoodCSR",
     "default_nb_features",
     "neighbourhood_attention",
+    "ntconv",
     "orthogonal_random_features",
     "partition_by_area",
     "segment_performer_attention",

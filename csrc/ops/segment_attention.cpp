@@ -9,6 +9,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "ops/checks.h"
 
 namespace nt_kernels {
@@ -21,6 +23,36 @@ c10::OperatorHandle op_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// Whether the two lists name distinct segments that hold every packed row:
+// then the kernels write every row of o (dq, dk, dv) and those outputs need
+// no zero fill.  O(S + K), read on the host, so only for CPU tensors (on a GPU
+// it would cost a sync; there the outputs stay zero-filled).  A list that
+// does not pass (duplicates, ids out of range) falls back to the zero fill,
+// and the kernels report bad ids.
+bool lists_cover_all_rows(const Tensor& rowptr, const Tensor& exact, const Tensor& performer,
+                          int64_t num_rows) {
+  if (!rowptr.is_cpu() || !exact.is_cpu() || !performer.is_cpu()) return false;
+  const Tensor rp = rowptr.contiguous();
+  const int64_t* ptr = rp.data_ptr<int64_t>();
+  const int64_t num_segments = rp.numel() - 1;
+  std::vector<bool> listed(num_segments, false);
+  int64_t rows = 0;
+  for (const Tensor& list : {exact.contiguous(), performer.contiguous()}) {
+    const int64_t* ids = list.data_ptr<int64_t>();
+    for (int64_t i = 0; i < list.numel(); ++i) {
+      if (ids[i] < 0 || ids[i] >= num_segments || listed[ids[i]]) return false;
+      listed[ids[i]] = true;
+      rows += ptr[ids[i] + 1] - ptr[ids[i]];
+    }
+  }
+  return rows == num_rows;
+}
+
+// An output like `t`: uninitialised when every row will be written, else zeros.
+Tensor output_like(const Tensor& t, bool covered) {
+  return covered ? at::empty_like(t) : at::zeros_like(t);
+}
+
 std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const Tensor& rowptr, const Tensor& exact_segments,
                                          const Tensor& performer_segments,
@@ -30,7 +62,9 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   check_segments("attention_fwd", exact_segments, q);
   check_segments("attention_fwd", performer_segments, q);
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  auto o = at::zeros_like(qc);
+  const bool covered = lists_cover_all_rows(rowptr, exact_segments, performer_segments, q.size(0));
+  auto o = output_like(qc, covered);
+  // lse stays zero-filled: Performer rows of it are never written (docs/design.md §1).
   auto lse = at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (exact_segments.numel() > 0) {
     static auto op = op_handle("nt_kernels::softmax_fwd_into")
@@ -59,7 +93,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
   TORCH_CHECK(grad_o.sizes() == q.sizes(), "attention_bwd: grad_o must have q's shape");
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto go = grad_o.to(q.scalar_type()).contiguous();
-  auto dq = at::zeros_like(qc), dk = at::zeros_like(qc), dv = at::zeros_like(qc);
+  const bool covered = lists_cover_all_rows(rowptr, exact_segments, performer_segments, q.size(0));
+  auto dq = output_like(qc, covered), dk = output_like(qc, covered), dv = output_like(qc, covered);
   if (exact_segments.numel() > 0) {
     static auto op = op_handle("nt_kernels::softmax_bwd_into")
                          .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
