@@ -217,6 +217,16 @@ def test_matches_reference_without_edge_attr(aggr, gate_group):
     assert_float32_matches(case, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.0, seed=0)
 
 
+@pytest.mark.parametrize("heads, dim, aggr, gate_group", [
+    pytest.param(3, 5, "weighted_mean", "receiver", id="H3-D5"),
+    pytest.param(4, 1, "max", "receiver", id="H4-D1"),
+    pytest.param(1, 40, "weighted_mean", "centre", id="H1-D40")])
+def test_head_shapes(heads, dim, aggr, gate_group):
+    """Head dims that are not powers of two, D = 1, one wide head (padding in registers only)."""
+    case = Case(*make_graph(), aggr, heads=heads, dim=dim)
+    assert_float32_matches(case, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=3)
+
+
 def test_exact_multi_tile_neighbourhood_and_one_chunk_per_hub():
     """Exact attention only: a 70-row neighbourhood (two 64-row blocks) alone in its chunk."""
     case = Case(*make_graph([3, 70, 1, 0, 5, 2], receivers=5), "weighted_mean")
@@ -510,3 +520,19 @@ def test_cuda_runs_are_bitwise_identical():
     kw = dict(aggr="weighted_mean", gate_group="receiver", threshold=THRESHOLD, dropout=0.2, seed=5)
     a, b = run_triton(case, **kw), run_triton(case, **kw)
     assert torch.equal(a[0], b[0]) and all(torch.equal(a[3][k], b[3][k]) for k in a[3])
+
+
+@pytest.mark.skipif(not HAS_CPU_OP, reason="the nt_kernels::ntconv_fwd schema and CPU kernel are not built yet")
+def test_check_suite_runs(tmp_path):
+    """`nt-kernels check --suites ntconv` (the suite the GPU script runs on CUDA) on this device."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    done = subprocess.run([sys.executable, "-m", "nt_kernels.cli", "check", "--device", DEVICE.type, "--suites",
+                           "ntconv", "--dims", "1", "--dtypes", "float32", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    doc = json.loads(out.read_text())
+    assert done.returncode == 0 and doc["ok"], done.stdout[-2000:]
+    assert sum(r["status"] == "pass" for r in doc["rows"]) == 13  # 2 graphs x 6 aggregators + determinism

@@ -290,7 +290,13 @@ def tolokers_suite(s: Settings) -> Iterator[Row]:
         yield accuracy(PATHS["switch"], case, graph, dim, dtype, s, heads=heads)
 
 
-# The fused-layer op (ntconv) adds its suite here.
+def ntconv_suite(s: Settings) -> Iterator[Row]:
+    """The fused NT layer op (nt_kernels/apps/check_ntconv.py, imported here to keep imports one-way)."""
+    from nt_kernels.apps.check_ntconv import ntconv_suite as suite
+
+    return suite(s)
+
+
 SUITES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "exact": exact_suite,
     "performer": performer_suite,
@@ -298,6 +304,7 @@ SUITES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "determinism": determinism_suite,
     "nan": nan_suite,
     "tolokers": tolokers_suite,
+    "ntconv": ntconv_suite,
 }
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from nt_kernels.backends.triton.common import INTERPRET, cast, mm
 
-__all__ = ["gelu", "gelu_grad", "gemm_configs", "mix32", "prologue", "rows_gemm", "BLOCK_K"]
+__all__ = ["BLOCK_K", "gelu", "gelu_grad", "gemm_configs", "mix32", "prologue", "prologue_configs", "rows_gemm"]
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -38,11 +38,20 @@ BLOCK_F = 16   # edge-feature step of the edge term
 
 
 def gemm_configs():
-    """Autotuning set (one fixed config under the interpreter); the kernels only write."""
+    """Autotuning set of the row GEMM (one fixed config under the interpreter); the kernels only write."""
     if INTERPRET:
         return [triton.Config({"BLOCK_R": 32}, num_warps=4)]
     return [triton.Config({"BLOCK_R": r}, num_warps=w, num_stages=s)
             for r in (32, 64) for w in (4, 8) for s in (2, 3)]
+
+
+def prologue_configs():
+    """Autotuning set of the prologue: 8 warps, because its (BLOCK_R x BLOCK_N) accumulator lives next to
+    the hash, GELU and edge-term tiles (ptxas, sm_90: 4 warps spill for BLOCK_N = 256, 8 warps with
+    BLOCK_R = 16 do not, in fp32 or bf16)."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_R": 32}, num_warps=4)]
+    return [triton.Config({"BLOCK_R": r}, num_warps=8, num_stages=s) for r in (16, 32) for s in (2, 3)]
 
 
 def block_n(width: int, cap: int) -> int:
@@ -95,7 +104,7 @@ def _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R: tl.cons
     return acc
 
 
-@triton.autotune(configs=gemm_configs(), key=["C", "F", "BLOCK_N", "HAS_EDGE", "DROPOUT", "STORE_Z"])
+@triton.autotune(configs=prologue_configs(), key=["C", "F", "BLOCK_N", "HAS_EDGE", "DROPOUT", "STORE_Z"])
 @triton.jit(do_not_specialize=["row0", "seed_word", "threshold"])
 def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receiver, perm, seg_of_row,
                      qkv, z_out, jac_out, row0, R, C, F, seed_word, threshold, drop_scale,

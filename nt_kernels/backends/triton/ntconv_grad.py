@@ -27,6 +27,8 @@ __all__ = ["GRAD_CENTRE_A", "GRAD_CENTRE_B", "GRAD_GATED_SUM", "GRAD_MAX", "GRAD
            "GRAD_SUM", "message_grad"]
 
 GRAD_SUM, GRAD_MEAN, GRAD_MAX, GRAD_GATED_SUM, GRAD_SOFTMAX, GRAD_CENTRE_A, GRAD_CENTRE_B = range(7)
+# rows x heads x dims per tile: the gated modes keep eight such tiles live (ptxas, sm_90: 4,096 spill, 1,024 not)
+GRAD_TILE_ELEMENTS = 1024
 
 
 @triton.jit
@@ -99,7 +101,7 @@ def message_grad(dy, y, mode, p, chunk, state, seg_of_row, *, gate=None, seg_sum
     """Launch the message gradient for ``chunk`` (ntconv_op.Problem ``p``, saved ``state``)."""
     if chunk.rows == 0:
         return
-    be, bh, bd = tile_shape(p.heads, p.head_dim)
+    be, bh, bd = tile_shape(p.heads, p.head_dim, GRAD_TILE_ELEMENTS)
     _message_grad_kernel[(triton.cdiv(chunk.rows, be),)](
         y, state.grad_out, state.out, state.stats, p.recv_rowptr, y if gate is None else gate,
         y if seg_sum is None else seg_sum, seg_of_row, p.receiver, dy, y if wa is None else wa,

@@ -36,10 +36,10 @@ AGG_SUM, AGG_GATED, AGG_SOFTMAX, AGG_MAX = 0, 1, 2, 3
 TILE_ELEMENTS = 4096  # rows x BLOCK_H x BLOCK_D per tile
 
 
-def tile_shape(heads: int, dim: int) -> tuple[int, int, int]:
-    """(BLOCK_E rows, BLOCK_H, BLOCK_D) of a (rows, heads, dims) tile."""
+def tile_shape(heads: int, dim: int, elements: int = TILE_ELEMENTS) -> tuple[int, int, int]:
+    """(BLOCK_E rows, BLOCK_H, BLOCK_D) of a (rows, heads, dims) tile of about ``elements`` values."""
     bh, bd = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
-    return max(1, min(32, TILE_ELEMENTS // (bh * bd))), bh, bd
+    return max(1, min(32, elements // (bh * bd))), bh, bd
 
 
 def _one_config():
