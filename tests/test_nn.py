@@ -218,7 +218,7 @@ def test_reset_parameters_and_buffers():
 
 def test_extra_repr_names_the_configuration():
     text = repr(NTConv(6, 8, heads=2, edge_dim=3, aggr="weighted_mean", nb_features=4, gate_group="centre"))
-    for part in ("6, 8", "heads=2", "aggr='weighted_mean'", "attention='switch'", "backend='fused'", "edge_dim=3",
+    for part in ("6, 8", "heads=2", "aggr='weighted_mean'", "attention='switch'", "backend='kernels'", "edge_dim=3",
                  "nb_features=4", "threshold=9.657", "gate_group='centre'"):
         assert part in text
     assert "directed=True" in repr(NT(6, 3, 8, 1, directed=True))

@@ -16,10 +16,6 @@ from helpers import assert_close
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn import NT, DirNT, NTConv
 
-# Guard until the fused op is integrated into NTConv: the coordinator removes it when it lands.
-pytestmark = pytest.mark.skipif("fused" not in inspect.signature(NTConv.__init__).parameters,
-                                reason="NTConv has no `fused` argument yet (issue 13 integration pending)")
-
 IN, OUT, HEADS, EDGE_DIM, NB_FEATURES = 6, 8, 2, 3, 4  # D = 4, n* = 4 + sqrt(32) ~ 9.66
 
 AGGRS = [

@@ -38,6 +38,7 @@ from nt_kernels.nn import BACKENDS, NT
 __all__ = ["PRESETS", "TrainConfig", "add_parser", "demo_training", "preset", "roc_auc", "run", "score",
            "train_split"]
 
+FUSED_CHOICES = {"auto": None, "on": True, "off": False}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -61,12 +62,14 @@ def score(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return (logits.argmax(1) == labels).double().mean().item() if labels.numel() else math.nan
 
 
-def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=torch.float32, backend="fused",
-                seed: int = 0, progress: bool = False, model: nn.Module | None = None, batch_size: int | None = None,
+def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=torch.float32, backend="kernels",
+                fused: bool | None = None, seed: int = 0, progress: bool = False, model: nn.Module | None = None, batch_size: int | None = None,
                 num_neighbors=None, eval_batch_size: int | None = None, save=None, resume=None) -> dict:
     """Train one model on split ``split`` of ``data``; returns scores at the best validation epoch and the losses.
 
-    ``model`` replaces the NT of ``config`` (it is called as ``model(x, graph)``).  The NT is
+    ``model`` replaces the NT of ``config`` (it is called as ``model(x, graph)``).
+    ``backend`` and ``fused`` are NTConv's (the attention ops of the composition,
+    and whether the fused layer op runs).  The NT is
     initialised, and the training run (dropout) seeded, with ``seed + split``.
 
     Full batch by default.  With ``batch_size`` (or under ``torchrun`` with
@@ -88,7 +91,8 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     if model is None:
         model = NT(x.shape[1], int(data.y.max()) + 1, config.head_dim * config.heads, config.num_layers,
                    heads=config.heads, dropout=config.dropout, directed=config.directed, sep=config.sep,
-                   aggr=config.aggr, attention=config.attention, gate_group=config.gate_group, backend=backend)
+                   aggr=config.aggr, attention=config.attention, gate_group=config.gate_group, backend=backend,
+                   fused=fused)
     model = model.to(device=device, dtype=dtype)
     torch.manual_seed(seed + split + (world.rank << 32))
     graph = model.prepare(data.edge_index, data.num_nodes) if hasattr(model, "prepare") else data.edge_index
@@ -173,7 +177,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     minibatch.add_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument("--backend", choices=BACKENDS, default="fused")
+    parser.add_argument("--backend", choices=BACKENDS, default="kernels",
+                        help="attention ops of the unfused composition: nt_kernels' kernels or the reference loops")
+    parser.add_argument("--fused", choices=tuple(FUSED_CHOICES), default="auto",
+                        help="fused NT layer op: auto (where the device has a kernel), on (error where none), "
+                             "off (the composition)")
     parser.add_argument("--seed", type=int, default=0,
                         help="split s is seeded with seed + s (default 0: the split index, as the released recipe)")
     parser.add_argument("--out", default=None, help="write the results as JSON to this file")
@@ -210,7 +218,8 @@ def _run(args, world: World) -> int:
     runs = []
     for split in splits:
         result = train_split(data, split, config, device=device, dtype=DTYPES[args.dtype], backend=args.backend,
-                             seed=args.seed, progress=not args.no_progress, save=split_path(args.save, split),
+                             fused=FUSED_CHOICES[args.fused], seed=args.seed, progress=not args.no_progress,
+                             save=split_path(args.save, split),
                              resume=split_path(args.resume, split), **options)
         runs.append({key: value for key, value in result.items() if key != "losses"})
         log(f"{args.dataset} split {split}: val {result['val']:.4f} test {result['test']:.4f} "
@@ -220,7 +229,7 @@ def _run(args, world: World) -> int:
     val_mean, val_std = _mean_std([r["val"] for r in runs])
     summary = {"dataset": args.dataset, "directed": config.directed, "preset": args.preset, "config": asdict(config),
                "self_loops": config.self_loops, "metric": metric, "device": str(args.device), "dtype": args.dtype,
-               "backend": args.backend, "seed": args.seed, "splits": runs, "test_mean": test_mean,
+               "backend": args.backend, "fused": args.fused, "seed": args.seed, "splits": runs, "test_mean": test_mean,
                "test_std": test_std, "val_mean": val_mean, "val_std": val_std,
                "seconds_per_epoch": statistics.fmean(r["seconds_per_epoch"] for r in runs),
                "epochs_per_second": statistics.fmean(r["epochs_per_second"] for r in runs),
@@ -253,7 +262,7 @@ class _MLP(nn.Module):
 
 
 def demo_training(*, epochs: int = 60, hidden: int = 16, heads: int = 2, num_layers: int = 2, seed: int = 0,
-                  backend: str = "fused", num_threads: int | None = 1) -> dict:
+                  backend: str = "kernels", num_threads: int | None = 1) -> dict:
     """Train NT and an MLP of the same width on :func:`monophily_graph`; returns both validation accuracies.
 
     The graph is tiny, so by default it runs on ``num_threads=1`` intra-op

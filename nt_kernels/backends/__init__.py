@@ -15,9 +15,10 @@ import importlib
 
 import torch
 
-__all__ = ["exact_plan", "has_triton", "ntconv_plan", "register_backends", "triton_registered"]
+__all__ = ["exact_plan", "has_fused_kernel", "has_triton", "ntconv_plan", "register_backends", "triton_registered"]
 
-_registered = {"done": False, "triton": False}
+_registered = {"done": False, "triton": False, "fused": {}}
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
 def has_triton() -> bool:
@@ -46,7 +47,17 @@ def register_backends() -> None:
 
         register()
         _registered["triton"] = True
+    _registered["fused"] = {
+        device: all(torch._C._dispatch_has_kernel_for_dispatch_key(f"nt_kernels::{op}", key)
+                    for op in ("ntconv_fwd", "ntconv_bwd"))
+        for device, key in _DISPATCH_KEYS.items()}
     _registered["done"] = True
+
+
+def has_fused_kernel(device_type: str) -> bool:
+    """Whether the fused NT layer op (``nt_kernels::ntconv_fwd`` / ``ntconv_bwd``) has a kernel for
+    ``device_type`` ("cpu", "cuda", ...): read from the dispatcher once, at registration."""
+    return _registered["fused"].get(device_type, False)
 
 
 def exact_plan(csr, threshold: float, segments: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:

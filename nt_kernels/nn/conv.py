@@ -23,16 +23,32 @@ import torch.nn.functional as F
 from torch import nn
 
 import nt_reference.ops as reference_ops
+from nt_kernels.backends import has_fused_kernel
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn.aggregate import (AGGREGATORS, GATE_GROUPS, GATED_AGGREGATORS, aggregate, receiver_csr,
                                      reversed_csr)
-from nt_kernels.ops import neighbourhood_attention, segment_performer_attention, segment_softmax_attention
+from nt_kernels.ops import neighbourhood_attention, ntconv, segment_performer_attention, segment_softmax_attention
 from nt_kernels.performer import default_nb_features, orthogonal_random_features, switch_threshold
 
 __all__ = ["ATTENTIONS", "BACKENDS", "DirNT", "NTConv"]
 
 ATTENTIONS = ("switch", "softmax", "performer")
-BACKENDS = ("fused", "reference")
+BACKENDS = ("kernels", "reference")
+# The attention backend's former name, still accepted: "fused" meant nt_kernels' attention ops.
+_BACKEND_ALIASES = {"fused": "kernels"}
+_SEED_HIGH = 2 ** 62  # dropout seeds are drawn from [0, 2**62) with the global CPU generator
+
+
+def _check_backend(name: str, value) -> str:
+    value = _BACKEND_ALIASES.get(value, value)
+    _check_choice(name, value, BACKENDS)
+    return value
+
+
+def _check_fused(name: str, value) -> None:
+    if value not in (None, True, False):
+        raise ValueError(f"{name}: fused must be None (use the fused op where the device has a kernel), "
+                         f"True or False, got {value!r}")
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -107,14 +123,23 @@ class NTConv(nn.Module):
         threshold: switch threshold; default the paper's n* for (m, D).
         gate_group: normalise the weighted_mean gate over messages arriving at
             the same ``receiver`` (paper) or sent by the same ``centre`` (released code).
-        backend: ``fused`` (nt_kernels ops) or ``reference`` (nt_reference loops);
+        backend: the attention ops of the composition: ``kernels`` (nt_kernels ops;
+            ``"fused"``, its former name, is accepted) or ``reference`` (nt_reference loops);
             settable later as ``conv.backend``.
+        fused: run the whole message pipeline as one fused op (``nt_kernels.ntconv``,
+            no per-message activation kept for backward): ``None`` (default) where the
+            input's device has a fused kernel, ``True`` always (an error where there is
+            none), ``False`` never (the composition of Linear, GELU, dropout, attention
+            op and aggregation: the comparison point).  Settable later as ``conv.fused``.
+            The fused op draws its dropout mask from a counter generator seeded from
+            the global CPU generator, the composition uses ``F.dropout``: the two give
+            different masks for the same global seed, each reproducible.
     """
 
     def __init__(self, in_channels: int, out_channels: int, heads: int = 1, edge_dim: int | None = None,
                  aggr: str = "weighted_mean", dropout: float = 0.0, attention: str = "switch",
                  nb_features: int | None = None, threshold: float | None = None, gate_group: str = "receiver",
-                 backend: str = "fused"):
+                 backend: str = "kernels", fused: bool | None = None):
         super().__init__()
         _check_int("NTConv: in_channels", in_channels, 1)
         _check_int("NTConv: out_channels", out_channels, 1)
@@ -139,6 +164,7 @@ class NTConv(nn.Module):
         self.edge_dim, self.aggr, self.dropout, self.attention = edge_dim, aggr, float(dropout), attention
         self.gate_group = gate_group
         self.backend = backend
+        self.fused = fused
         self.lin_centre = nn.Linear(in_channels, out_channels)
         self.lin_receiver = nn.Linear(in_channels, out_channels, bias=False)
         self.lin_edge = nn.Linear(edge_dim, out_channels, bias=False) if edge_dim is not None else None
@@ -162,8 +188,31 @@ class NTConv(nn.Module):
 
     @backend.setter
     def backend(self, value: str) -> None:
-        _check_choice("NTConv: backend", value, BACKENDS)
-        self._backend = value
+        self._backend = _check_backend("NTConv: backend", value)
+
+    @property
+    def fused(self) -> bool | None:
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        _check_fused("NTConv", value)
+        self._fused = value
+
+    def uses_fused(self, device: torch.device) -> bool:
+        """Whether ``forward`` on ``device`` runs the fused op (raises where ``fused=True`` cannot be honoured)."""
+        if self._fused is False:
+            return False
+        if self._backend == "reference":
+            if self._fused:
+                raise ValueError("NTConv: fused=True runs nt_kernels' fused op; backend='reference' needs fused=False "
+                                 "or None")
+            return False
+        available = has_fused_kernel(device.type)
+        if self._fused and not available:
+            raise ValueError(f"NTConv: fused=True but the fused NT layer op has no kernel for device "
+                             f"{device.type!r}; use fused=None (falls back to the composition) or fused=False")
+        return available
 
     def reset_parameters(self) -> None:
         """Re-initialise every weight and redraw the Performer projection."""
@@ -185,22 +234,40 @@ class NTConv(nn.Module):
         _check_x("NTConv", x, self.in_channels)
         csr = self._graphs("NTConv", graph, x.shape[0])
         _check_csr_fits("NTConv", csr, x.shape[0])
+        self._check_edge_attr(csr, edge_attr)
+        if self.uses_fused(x.device):
+            return self._forward_fused(x, csr, edge_attr)
         z = (self.lin_centre(x).index_select(0, csr.centre)
              + self.lin_receiver(x).index_select(0, csr.receiver))
         if self.edge_dim is not None:
-            if edge_attr is None:
-                raise ValueError(f"NTConv: edge_attr of shape (E, edge_dim={self.edge_dim}) is required")
-            if edge_attr.dim() != 2 or edge_attr.shape != (csr.num_edges, self.edge_dim):
-                raise ValueError(f"NTConv: edge_attr must have shape (E={csr.num_edges}, edge_dim={self.edge_dim}), "
-                                 f"got {tuple(edge_attr.shape)}")
             z = z + self.lin_edge(csr.pack(edge_attr))
-        elif edge_attr is not None:
-            raise ValueError("NTConv: edge_attr given but the layer was built with edge_dim=None")
         z = F.dropout(F.gelu(z), self.dropout, self.training)
         q, k, v = self.lin_qkv(z).view(z.shape[0], 3, self.heads, self.head_dim).unbind(1)
         o = self._attend(q, k, v, csr)
         messages = F.gelu(self.lin_out(o.reshape(o.shape[0], self.out_channels)))
         return aggregate(messages, csr, self.aggr, num_nodes=x.shape[0], heads=self.heads, gate_group=self.gate_group)
+
+    def _check_edge_attr(self, csr: NeighbourhoodCSR, edge_attr) -> None:
+        if self.edge_dim is None:
+            if edge_attr is not None:
+                raise ValueError("NTConv: edge_attr given but the layer was built with edge_dim=None")
+            return
+        if edge_attr is None:
+            raise ValueError(f"NTConv: edge_attr of shape (E, edge_dim={self.edge_dim}) is required")
+        if edge_attr.dim() != 2 or edge_attr.shape != (csr.num_edges, self.edge_dim):
+            raise ValueError(f"NTConv: edge_attr must have shape (E={csr.num_edges}, edge_dim={self.edge_dim}), "
+                             f"got {tuple(edge_attr.shape)}")
+
+    def _forward_fused(self, x: torch.Tensor, csr: NeighbourhoodCSR, edge_attr) -> torch.Tensor:
+        """Steps 1-4 of DESIGN §6 as one fused op from the two node terms (docs/design.md §9)."""
+        dropout = self.dropout if self.training else 0.0
+        seed = torch.randint(_SEED_HIGH, (), dtype=torch.int64) if dropout > 0 else None
+        threshold = None if self.attention == "softmax" else self.threshold
+        return ntconv(self.lin_centre(x), self.lin_receiver(x), csr, self.lin_qkv.weight, self.lin_qkv.bias,
+                      self.lin_out.weight, self.lin_out.bias, heads=self.heads, aggr=self.aggr,
+                      gate_group=self.gate_group, edge_attr=edge_attr,
+                      w_edge=None if self.lin_edge is None else self.lin_edge.weight, projection=self.projection,
+                      threshold=threshold, dropout=dropout, seed=seed, num_nodes=x.shape[0])
 
     def _attend(self, q, k, v, csr: NeighbourhoodCSR) -> torch.Tensor:
         if self.backend == "reference":
@@ -218,7 +285,7 @@ class NTConv(nn.Module):
 
     def extra_repr(self) -> str:
         parts = [f"{self.in_channels}, {self.out_channels}", f"heads={self.heads}", f"aggr={self.aggr!r}",
-                 f"attention={self.attention!r}", f"backend={self.backend!r}"]
+                 f"attention={self.attention!r}", f"backend={self.backend!r}", f"fused={self.fused!r}"]
         if self.edge_dim is not None:
             parts.append(f"edge_dim={self.edge_dim}")
         if self.projection is not None:
@@ -252,6 +319,15 @@ class DirNT(nn.Module):
     def backend(self, value: str) -> None:
         self.conv.backend = value
         self.conv_reversed.backend = value
+
+    @property
+    def fused(self) -> bool | None:
+        return self.conv.fused
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        self.conv.fused = value
+        self.conv_reversed.fused = value
 
     def reset_parameters(self) -> None:
         self.conv.reset_parameters()

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from nt_kernels.csr import NeighbourhoodCSR
-from nt_kernels.nn.conv import BACKENDS, DirNT, NTConv, _check_choice, _check_dropout, _check_int, _check_x, _GraphCache
+from nt_kernels.nn.conv import (DirNT, NTConv, _check_backend, _check_dropout, _check_fused, _check_int, _check_x,
+                                _GraphCache)
 
 __all__ = ["NT"]
 
@@ -46,13 +47,24 @@ class NT(nn.Module):
 
     @property
     def backend(self) -> str:
-        return self.convs[0].backend if self.num_layers else "fused"
+        return self.convs[0].backend if self.num_layers else "kernels"
 
     @backend.setter
     def backend(self, value: str) -> None:
-        _check_choice("NT: backend", value, BACKENDS)
+        value = _check_backend("NT: backend", value)
         for conv in self.convs:
             conv.backend = value
+
+    @property
+    def fused(self) -> bool | None:
+        """The ``fused`` setting of every layer (see :class:`NTConv`); settable."""
+        return self.convs[0].fused if self.num_layers else None
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        _check_fused("NT", value)
+        for conv in self.convs:
+            conv.fused = value
 
     def reset_parameters(self) -> None:
         for block in (self.encoder, self.norms, *self.ffns, self.predictor, self.convs):
