@@ -536,3 +536,24 @@ def test_check_suite_runs(tmp_path):
     doc = json.loads(out.read_text())
     assert done.returncode == 0 and doc["ok"], done.stdout[-2000:]
     assert sum(r["status"] == "pass" for r in doc["rows"]) == 13  # 2 graphs x 6 aggregators + determinism
+
+
+def _spec_kernels():
+    from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_reduce
+
+    return {ntconv_gemm._prologue_kernel, ntconv_gemm._rows_gemm_kernel, ntconv_grad._message_grad_kernel,
+            ntconv_reduce._gate_kernel, ntconv_reduce._segment_softmax_kernel, ntconv_reduce._segment_sum_kernel,
+            ntconv_reduce._receive_kernel}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_compile_specs_name_every_kernel_argument(dtype):
+    """The AOT compile specs (ntconv_specs.py) type or fix every argument of their kernel exactly once."""
+    from nt_kernels.backends.triton.ntconv_specs import compile_specs
+
+    specs = compile_specs(dtype)
+    assert {s.kernel for s in specs} == _spec_kernels(), "every fused-layer kernel has specs"
+    for spec in specs:
+        from_configs = {key for config in spec.kernel.configs for key in config.kwargs}
+        named = [*spec.types, *spec.constexprs, *from_configs]
+        assert sorted(named) == sorted(spec.kernel.fn.arg_names), spec.name

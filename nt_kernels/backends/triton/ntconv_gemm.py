@@ -21,6 +21,8 @@ depend on the autotuned tile shape.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -37,12 +39,17 @@ BLOCK_K = 32   # contraction step of every GEMM here (fixed: see the module docs
 BLOCK_F = 16   # edge-feature step of the edge term
 
 
+# NT_KERNELS_TRITON_AUTOTUNE=0 pins each kernel to its first config (the time-boxed GPU script sets it).
+AUTOTUNE = os.environ.get("NT_KERNELS_TRITON_AUTOTUNE", "1") != "0"
+
+
 def gemm_configs():
     """Autotuning set of the row GEMM (one fixed config under the interpreter); the kernels only write."""
     if INTERPRET:
         return [triton.Config({"BLOCK_R": 32}, num_warps=4)]
-    return [triton.Config({"BLOCK_R": r}, num_warps=w, num_stages=s)
-            for r in (32, 64) for w in (4, 8) for s in (2, 3)]
+    tuned = [triton.Config({"BLOCK_R": r}, num_warps=w, num_stages=s)
+             for r in (32, 64) for w in (4, 8) for s in (2, 3)]
+    return tuned if AUTOTUNE else tuned[:1]
 
 
 def prologue_configs():
@@ -51,7 +58,8 @@ def prologue_configs():
     BLOCK_R = 16 do not, in fp32 or bf16)."""
     if INTERPRET:
         return [triton.Config({"BLOCK_R": 32}, num_warps=4)]
-    return [triton.Config({"BLOCK_R": r}, num_warps=8, num_stages=s) for r in (16, 32) for s in (2, 3)]
+    tuned = [triton.Config({"BLOCK_R": r}, num_warps=8, num_stages=s) for r in (16, 32) for s in (2, 3)]
+    return tuned if AUTOTUNE else tuned[:1]
 
 
 def block_n(width: int, cap: int) -> int:
