@@ -5,6 +5,8 @@ more graphs with the same inputs, writes a JSON document per graph (device,
 versions, graph statistics, settings, per-backend results and a summary) and
 prints a table.  How memory, time and error are measured is documented in
 :mod:`nt_kernels.bench.measure`; docs/results.md repeats it for readers.
+``--layer`` measures NT training steps, fused vs ``fused=False``, instead
+(:mod:`nt_kernels.bench.layer`).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ DESCRIPTION = ("Measure forward and forward+backward time, peak memory and error
                "reference, the paper's parallel / by-size / partitioned(alpha) / sequential strategies and "
                "the peers a user would write instead (pyg-pairs, nested-tensor SDPA, FlexAttention, "
                "performer-pytorch FastAttention) on the same inputs; write one JSON per graph (to --out, "
-               "default the current directory) and print a table.")
+               "default the current directory) and print a table. With --layer: NT training steps, "
+               "fused vs fused=False (see the 'layer level' options).")
 SUBSETS = ("all", "exact", "performer")
 
 
@@ -389,8 +392,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "a comma list, or 'all' (default: minesweeper)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=8)
-    p.add_argument("--dtype", choices=sorted(bm.DTYPES), default="float32")
+    p.add_argument("--dtype", choices=[*sorted(bm.DTYPES), "bfloat16-autocast"], default="float32",
+                   help="input dtype; --layer: float32 or bfloat16-autocast (default float32)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's)")
     p.add_argument("--scale", type=float, default=1.0, help="size factor of synthetic graphs")
     p.add_argument("--repeats", type=int, default=10, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=int, default=2,
@@ -421,13 +426,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--docs-dir", default=".",
                    help="where --plot writes the figures and results.md (default: the current directory)")
     p.set_defaults(func=run)
+    from nt_kernels.bench import layer
+
+    layer.add_arguments(p)
     return p
 
 
 def run(args) -> int:
+    from nt_kernels.bench import layer
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"bench: --threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.layer:
+        return layer.run(args)
     if args.from_json:
         docs = [(json.loads(Path(f).read_text()), Path(f)) for f in args.from_json]
     else:
+        layer.check_mode(args)
         names = graph_names(args.graph)
         out = Path(args.out) if args.out else Path.cwd()
         if len(names) > 1 and out.suffix == ".json":
