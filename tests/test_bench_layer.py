@@ -185,6 +185,23 @@ def test_in_process_run(tmp_path):
     assert doc["summary"] == {"fused": "ok", "unfused": "not run"} and "--in-process" in doc["command"]
 
 
+def test_dry_run_cuts_a_real_graph_and_names_the_file(tmp_path):
+    args = _parse("--layer", "--graph", "minesweeper", "--device", "cpu", "--threads", "1", "--variants", "fused",
+                  "--repeats", "1", "--warmup", "0", "--in-process", "--dry-run", "--out", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        assert args.func(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert path.name.endswith("-layer-minesweeper-float32-dry-run.json") and doc["settings"]["dry_run"] is True
+    g = doc["graph"]
+    assert (g["source"], g["num_nodes"], g["max_degree"]) == ("real", layer.DRY_RUN_NODES, 8)
+    assert g["description"].startswith("dry run") and g["messages"]["performer"] == 0
+    assert doc["results"][0]["status"] == "ok" and "--dry-run" in doc["command"]
+
+
 # ------------------------------------------------------------ text output
 def test_table_and_results_block(tiny_doc, tmp_path):
     table = layer.format_table(tiny_doc)
@@ -202,7 +219,7 @@ def test_table_and_results_block(tiny_doc, tmp_path):
     assert text.startswith("# Results\n\ntext\n") and text.rstrip().endswith("end") and "\nold\n" not in text
     block = text[text.index("<!-- bench:layer -->"):text.index("<!-- /bench:layer -->")]
     rows = [line for line in block.splitlines() if line.startswith("| ") and "`" in line]
-    assert len(rows) == 1 and "`cpu-layer-powerlaw.json`" in rows[0]
+    assert len(rows) == 1 and "`cpu-layer-powerlaw.json`" in rows[0] and "(dry run)" not in rows[0]
     assert f"{tiny_doc['summary']['speedup']:.2f}×" in rows[0]
     assert f"{tiny_doc['summary']['memory_ratio']:.3f}" in rows[0]
     assert f"`{tiny_doc['command']}`" in block

@@ -521,7 +521,8 @@ def layer_block(results_dir: Path) -> str:
             return fmt(entry[key]) if entry["status"] == "ok" else entry["status"]
 
         ratio, speedup = sm.get("memory_ratio"), sm.get("speedup")
-        cells = [doc["device"]["name"], _graph_text(doc["graph"]), _preset_text(doc), doc["settings"]["dtype"],
+        graph = _graph_text(doc["graph"]) + (" (dry run)" if doc["settings"]["dry_run"] else "")
+        cells = [doc["device"]["name"], graph, _preset_text(doc), doc["settings"]["dtype"],
                  cell("fused", "step_ms", _ms), cell("unfused", "step_ms", _ms),
                  "–" if speedup is None else f"{speedup:.2f}×",
                  cell("fused", "peak_memory_bytes", _mib), cell("unfused", "peak_memory_bytes", _mib),
