@@ -568,8 +568,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer level (--layer)", "a training step of NT (forward, backward, Adam), fused=True vs fused=False, "
         "each in its own subprocess; graphs tolokers, minesweeper (released presets), synthetic (tolokers' "
         "degree sequence tiled to --messages, tolokers preset), powerlaw (H=4, D=16, 3 layers), a comma list or "
-        "'all' (the first three); --dtype float32 or bfloat16-autocast; --repeats, --warmup, --seed, "
-        "--memory-cap-gb (CPU workers' address-space cap), --timeout, --in-process, --data-root, --out, "
+        "'all' (the first three); --dtype float32 or bfloat16-autocast; --device, --threads, --repeats, --warmup, "
+        "--seed, --memory-cap-gb (CPU workers' address-space cap), --timeout, --in-process, --data-root, --out, "
         "--from-json and --plot (the layer block of results.md) apply")
     group.add_argument("--layer", action="store_true", help="measure NT training steps instead of the op")
     group.add_argument("--variants", default=",".join(VARIANTS), help="comma list of fused, unfused")
