@@ -7,7 +7,7 @@ SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
 # Real graphs (tests, bench, train): $NT_KERNELS_DATA, by default the shared data next to the checkout.
 export NT_KERNELS_DATA ?= $(abspath ../shared/data/heterophilous)
 
-.PHONY: install demo test bench cuda-check cross-check triton-check clean
+.PHONY: install demo test bench check cuda-check cross-check triton-check gpu-bundle clean
 
 install: $(STAMP)
 
@@ -26,6 +26,20 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli bench --graph minesweeper --out bench/results
 
+# Self-test of every kernel path against the PyTorch reference on this machine's
+# device (`nt-kernels check`; CHECK_ARGS="--quick" for the CI subset).
+CHECK_ARGS ?=
+check: $(STAMP)
+	$(PYTHON) -m nt_kernels.cli check $(CHECK_ARGS)
+
+# What scripts/gpu_check.sh needs on a GPU machine besides the working tree, in
+# .gpu-bundle/ (git-ignored, <= 60 MiB): the extension prebuilt with GPU_PYTHON
+# (Python 3.12 + torch 2.11.0+cu130, the GPU machine's; a scratch venv, never
+# this environment) for sm_90, and the real graphs.  docs/results.md, "GPU: how to run".
+GPU_PYTHON ?= /work/venv312/bin/python
+gpu-bundle:
+	GPU_PYTHON=$(GPU_PYTHON) bash scripts/gpu_bundle.sh
+
 # Compile every csrc/cuda/*.cu for sm_80 and sm_90 (no GPU needed) and
 # syntax-check the torch bindings; fails on a compile error or a register spill.
 cuda-check:
@@ -37,13 +51,18 @@ cuda-check:
 cross-check:
 	PYTHON=$(PYTHON) bash scripts/cross_check.sh
 
-# Compile every Triton kernel with every autotuning config for sm_90 (no GPU
-# needed); fails on a compile error or when no config of a setting fits the
-# shared memory or avoids spills.  TRITON_CHECK_ARGS narrows it (CI: the
-# largest head dim only); see scripts/triton_check.py --help.
+# Compile every Triton kernel with every autotuning config for sm_90, or the
+# archs of --arch 80,89,90 (no GPU needed); fails on a compile error or when no
+# config of a setting fits the shared memory, the first (pinned) config does
+# not, or spills.  TRITON_CHECK_ARGS narrows it (CI: one head dim); see
+# scripts/triton_check.py --help.
+# TRITON_TARGET=<dir> runs it with the triton installed there instead of this
+# environment's (`pip install --no-deps --target <dir> triton==3.6.0`: the GPU
+# machines' version).
 TRITON_CHECK_ARGS ?=
+TRITON_TARGET ?=
 triton-check: $(STAMP)
-	env -u TRITON_INTERPRET $(PYTHON) scripts/triton_check.py $(TRITON_CHECK_ARGS)
+	env -u TRITON_INTERPRET $(if $(TRITON_TARGET),PYTHONPATH=$(TRITON_TARGET)) $(PYTHON) scripts/triton_check.py $(TRITON_CHECK_ARGS)
 
 clean:
 	rm -rf build

@@ -19,6 +19,10 @@ from nt_kernels.backends.triton import plan as plan_layout
 from nt_kernels.backends.triton.plan import PLAN_BLOCK, SM90_SHARED_MEMORY, TILE_HEIGHTS, max_packed_tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# NT_KERNELS_TRITON_AUTOTUNE=0 pins every kernel to its first config (the one
+# with the least shared memory) instead of autotuning over all of them: a
+# handful of compiles instead of dozens, for time-boxed GPU runs (scripts/gpu_check.sh).
+AUTOTUNE = os.environ.get("NT_KERNELS_TRITON_AUTOTUNE", "1") != "0"
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E_C = tl.constexpr(LOG2E)
@@ -29,15 +33,16 @@ H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
 
 
 def configs(inner_blocks=(32, 64), warps=(4, 8), inner_name="BLOCK_N"):
-    """A small autotuning set; one fixed config under the interpreter."""
+    """A small autotuning set; one fixed config under the interpreter or with autotuning off."""
     if INTERPRET:
         return [triton.Config({inner_name: PLAN_BLOCK} if inner_name else {}, num_warps=4)]
-    return [
+    tuned = [
         triton.Config({inner_name: b} if inner_name else {}, num_warps=w, num_stages=s)
         for b in (inner_blocks if inner_name else (None,))
         for w in warps
         for s in (1, 2)
     ]
+    return tuned if AUTOTUNE else tuned[:1]
 
 
 def num_programs(device: torch.device, per_sm: int = 32) -> int:
