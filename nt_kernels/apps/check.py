@@ -270,15 +270,16 @@ def nan_suite(s: Settings) -> Iterator[Row]:
 
 def tolokers_suite(s: Settings) -> Iterator[Row]:
     """The switchable op on a real graph (default threshold and m)."""
-    from nt_kernels.data import default_data_root, load_npz
+    from nt_kernels.data import load_npz
 
     name, heads, dim = TOLOKERS
     try:
         data = load_npz(name, s.data_root, undirected=True)
-    except FileNotFoundError:
-        root = s.data_root or default_data_root()
-        yield Row("switch", f"{name} H={heads}", "-", dim, status="skip",
-                  note=f"{name}.npz not found under {root} (--data-root or $NT_KERNELS_DATA)")
+    except FileNotFoundError as exc:  # no data root, or no npz file in it
+        note = str(exc).split(";")[0]
+        if "NT_KERNELS_DATA" not in note:
+            note += " (--data-root or $NT_KERNELS_DATA)"
+        yield Row("switch", f"{name} H={heads}", "-", dim, status="skip", note=note)
         return
     csr = NeighbourhoodCSR.from_edge_index(data.edge_index.to(s.device), num_nodes=data.num_nodes)
     case = f"{name} H={heads}"
