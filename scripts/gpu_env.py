@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -71,7 +72,7 @@ def main() -> int:
     if torch.version.cuda and not build["cuda"]:
         print("gpu_env: torch has CUDA but the extension was built without the CUDA sources")
         return 1
-    from nt_kernels.data import default_data_root, load_npz
+    from nt_kernels.data import DATA_ROOT_ENV, load_npz
 
     doc["data"] = {}
     for name in ("tolokers", "minesweeper"):
@@ -80,7 +81,7 @@ def main() -> int:
             doc["data"][name] = {"nodes": g.num_nodes, "edges": g.num_edges}
         except FileNotFoundError as exc:
             doc["data"][name] = f"missing: {exc}"
-    print(f"data root {default_data_root()}: {doc['data']}")
+    print(f"data (${DATA_ROOT_ENV}={os.environ.get(DATA_ROOT_ENV)}): {doc['data']}")
     if torch.cuda.is_available():
         doc["performer_smoke"] = performer_smoke()
         print(f"CUDA Performer smoke test: {doc['performer_smoke']}")
