@@ -2,9 +2,9 @@
 import argparse
 import json
 
-import numpy as np
 import pytest
 import torch
+from helpers import write_npz
 
 from nt_kernels.apps import presets, train
 from nt_kernels.apps.presets import APPENDIX_PRESETS, PAPER_PRESETS, TrainConfig, preset, reported
@@ -103,17 +103,8 @@ def test_cli_flags_pick_and_override_the_preset():
         parse(["--dataset", "minesweeper", "--aggr", "median"])
 
 
-def write_npz(path, num_nodes=30, num_classes=3, splits=3, seed=0):
-    rng = np.random.default_rng(seed)
-    masks = rng.integers(0, 3, size=(splits, num_nodes))
-    np.savez(path, node_features=rng.standard_normal((num_nodes, 5)).astype(np.float32),
-             node_labels=np.arange(num_nodes) % num_classes,
-             edges=np.stack([np.arange(num_nodes), (np.arange(num_nodes) + 1) % num_nodes], axis=1),
-             train_masks=masks == 0, val_masks=masks == 1, test_masks=masks == 2)
-
-
 def test_cli_paper_run_seeds_each_split_with_its_index(tmp_path, monkeypatch, capsys):
-    write_npz(tmp_path / "roman-empire.npz")
+    write_npz(tmp_path / "roman-empire.npz", splits=3)
     seeds, loads = [], []
     manual_seed, load_dataset = torch.manual_seed, train.load_dataset
 

@@ -98,8 +98,13 @@ struct ItemBuffers {
   acc_t *edge, *d_edge;          // R x F
   acc_t *row_lse, *row_delta;    // R x H
   acc_t* attention;              // exact or Performer kernel scratch
-  acc_t* performer_parts;        // Performer block statistics of a long segment
+  acc_t* performer_keep;         // Performer forward state: 2 R H m features, then per segment
+                                 // performer_keep_stats_size statistics
+  acc_t* exact_keep;             // probabilities of exact segments <= SOFTMAX_KEEP_MAX rows (n n H each)
+  acc_t* exact_scratch;          // scratch of their whole-segment functions
+  acc_t* weight_grads;           // partial_size(): one item's weight gradients (backward)
   float* lse;                    // R x H
+  int64_t rows;                  // R
 };
 
 }  // namespace nt_kernels::cpu

@@ -1,7 +1,12 @@
 // Step 3 of the fused NT layer CPU kernel: attention inside every segment of
 // one item, by the segment's path, with the exact and Performer kernel
 // bodies (segment_softmax_impl.h, segment_performer_impl.h) run on the item's
-// q, k, v buffers.  Those buffers are R x C with C = H D, i.e. exactly the
+// q, k, v buffers.  A Performer segment is done by one thread, and so is an
+// exact one of up to SOFTMAX_KEEP_MAX rows: their forward keeps the feature
+// maps and statistics (Performer) or the probabilities (exact) in the item's
+// buffers, and the backward (after the same thread's recompute) starts from
+// them.  Longer exact segments use the chunked run functions.  The q, k, v
+// buffers are R x C with C = H D, i.e. exactly the
 // packed (row * H + head) * D layout the kernels read, so a segment is the
 // run of its rows at its offset inside the item.
 //
@@ -34,53 +39,23 @@ PerformerArgs<acc_t> performer_args(const NtconvArgs<acc_t>& a, const ItemBuffer
   return pa;
 }
 
-// Performer forward of the n rows from `row`: one pass for n <= PERFORMER_BLOCK,
-// else key statistics per block, combined in block order, then the queries.
+// Where a Performer segment of the item keeps its forward state for the
+// backward (performer_segment_fwd_keep): features by the segment's rows
+// (row offset `row` inside the item); statistics at `stats`, which then
+// moves past them (segments in item order).
 template <typename acc_t>
-void performer_forward(const PerformerArgs<acc_t>& pa, int64_t row, int64_t n,
-                       const ItemBuffers<acc_t>& b) {
-  if (n <= PERFORMER_BLOCK) {
-    performer_segment_fwd(pa, row, n, b.attention);
-    return;
-  }
-  const int64_t blocks = (n + PERFORMER_BLOCK - 1) / PERFORMER_BLOCK, stride = pa.H * pa.stats_size;
-  acc_t* parts = b.performer_parts;
-  acc_t* seg = parts + blocks * stride;
-  for (int64_t k = 0; k < blocks; ++k) {
-    const int64_t nr = std::min(PERFORMER_BLOCK, n - k * PERFORMER_BLOCK);
-    performer_block_stats(pa, row + k * PERFORMER_BLOCK, nr, parts + k * stride, b.attention);
-  }
-  performer_combine(pa, parts, blocks, n, seg);
-  for (int64_t k = 0; k < blocks; ++k) {
-    const int64_t nr = std::min(PERFORMER_BLOCK, n - k * PERFORMER_BLOCK);
-    performer_queries_fwd(pa, row + k * PERFORMER_BLOCK, nr, seg, b.attention);
-  }
-}
+struct PerformerKeep {
+  acc_t *key_e, *query_e, *stats;
+};
 
-// Performer backward, the phases of performer_bwd_into run in order.
 template <typename acc_t>
-void performer_backward(const PerformerArgs<acc_t>& pa, int64_t row, int64_t n,
-                        const ItemBuffers<acc_t>& b) {
-  if (n <= PERFORMER_BLOCK) {
-    performer_segment_bwd(pa, row, n, b.attention);
-    return;
-  }
-  const int64_t blocks = (n + PERFORMER_BLOCK - 1) / PERFORMER_BLOCK, stride = pa.H * pa.stats_size;
-  acc_t* parts = b.performer_parts;
-  acc_t* seg = parts + blocks * stride;
-  const auto rows_of = [&](int64_t k) { return std::min(PERFORMER_BLOCK, n - k * PERFORMER_BLOCK); };
-  for (int64_t k = 0; k < blocks; ++k) {
-    performer_block_stats(pa, row + k * PERFORMER_BLOCK, rows_of(k), parts + k * stride, b.attention);
-  }
-  performer_combine(pa, parts, blocks, n, seg);
-  for (int64_t k = 0; k < blocks; ++k) {
-    performer_queries_bwd(pa, row + k * PERFORMER_BLOCK, rows_of(k), seg, parts + k * stride,
-                          b.attention);
-  }
-  performer_combine_grad(pa, parts, blocks, seg);
-  for (int64_t k = 0; k < blocks; ++k) {
-    performer_keys_bwd(pa, row + k * PERFORMER_BLOCK, rows_of(k), seg, b.attention);
-  }
+PerformerKeep<acc_t> performer_keep(const NtconvArgs<acc_t>& a, const ItemBuffers<acc_t>& b, int64_t row,
+                                    int64_t n, acc_t*& stats) {
+  const int64_t features = a.H * a.performer.m;
+  const PerformerKeep<acc_t> keep{b.performer_keep + row * features, b.performer_keep + (b.rows + row) * features,
+                                  stats};
+  stats += performer_keep_stats_size(n, a.H, a.performer.stats_size);
+  return keep;
 }
 
 // o (R x C) of every segment of the item; lse (R x H) of exact rows, 0 for
@@ -89,6 +64,8 @@ template <typename acc_t>
 void attention_forward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const ItemBuffers<acc_t>& b,
                        float* lse) {
   const int64_t H = a.H, C = a.C;
+  acc_t* stats = b.performer_keep + 2 * b.rows * a.H * a.performer.m;  // of the next Performer segment
+  acc_t* p = b.exact_keep;  // probabilities of the next small exact segment
   for (int64_t s = it.seg_begin; s < it.seg_end; ++s) {
     const int64_t row = a.rowptr[s] - it.row_begin, n = a.rowptr[s + 1] - a.rowptr[s];
     if (n == 0) continue;
@@ -96,23 +73,32 @@ void attention_forward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const I
       SoftmaxArgs<acc_t> sa = exact_args(a, b);
       sa.out = b.o;
       sa.lse = lse;
-      softmax_fwd_run(sa, row, n, 0, n, b.attention);
+      if (n <= SOFTMAX_KEEP_MAX) {
+        softmax_segment_fwd_keep(sa, row, n, p, b.exact_scratch);
+        p += n * n * H;
+      } else {
+        softmax_fwd_run(sa, row, n, 0, n, b.attention);
+      }
       continue;
     }
     fill(lse + row * H, n * H, 0.0f);
     if (a.path[s] == PATH_PERFORMER) {
-      performer_forward(performer_args(a, b), row, n, b);
+      const PerformerKeep<acc_t> keep = performer_keep(a, b, row, n, stats);
+      performer_segment_fwd_keep(performer_args(a, b), row, n, keep.key_e, keep.query_e, keep.stats, b.attention);
     } else {
       fill(b.o + row * C, n * C, acc_t(0));
     }
   }
 }
 
-// d_q, d_k, d_v (R x C) of every segment of the item from d_o; exact rows
-// use the saved lse (a.lse_in).
+// d_q, d_k, d_v (R x C) of every segment of the item from d_o, after
+// attention_forward on the same buffers; exact rows use the saved lse
+// (a.lse_in), Performer segments what the forward kept.
 template <typename acc_t>
 void attention_backward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const ItemBuffers<acc_t>& b) {
   const int64_t C = a.C;
+  acc_t* stats = b.performer_keep + 2 * b.rows * a.H * a.performer.m;  // of the next Performer segment
+  const acc_t* p = b.exact_keep;  // probabilities of the next small exact segment
   for (int64_t s = it.seg_begin; s < it.seg_end; ++s) {
     const int64_t row = a.rowptr[s] - it.row_begin, n = a.rowptr[s + 1] - a.rowptr[s];
     if (n == 0) continue;
@@ -126,10 +112,16 @@ void attention_backward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const 
       sa.dv = b.d_v;
       sa.row_lse = b.row_lse;
       sa.row_delta = b.row_delta;
-      softmax_bwd_query_run(sa, row, n, 0, n, b.attention);
-      softmax_bwd_key_run(sa, row, n, 0, n, b.attention);
+      if (n <= SOFTMAX_KEEP_MAX) {
+        softmax_segment_bwd_kept(sa, row, n, p, b.exact_scratch);
+        p += n * n * a.H;
+      } else {
+        softmax_bwd_query_run(sa, row, n, 0, n, b.attention);
+        softmax_bwd_key_run(sa, row, n, 0, n, b.attention);
+      }
     } else if (a.path[s] == PATH_PERFORMER) {
-      performer_backward(performer_args(a, b), row, n, b);
+      const PerformerKeep<acc_t> keep = performer_keep(a, b, row, n, stats);
+      performer_segment_bwd_kept(performer_args(a, b), row, n, keep.key_e, keep.query_e, keep.stats, b.attention);
     } else {
       for (acc_t* d : {b.d_q, b.d_k, b.d_v}) fill(d + row * C, n * C, acc_t(0));
     }

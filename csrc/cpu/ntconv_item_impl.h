@@ -12,12 +12,12 @@ void ntconv_forward_item(const NtconvArgs<acc_t>& a, const NtconvItem& it, const
   const int64_t R = it.rows();
   if (R == 0) return;
   message_inputs(a, it, b.u, b.edge);
-  activate(a, it.row_begin, R, b.u, b.z);
+  activate(a, it.row_begin, R, b.u, b.z, false);
   project_qkv(a, R, b.z, b.q, b.k, b.v);
   attention_forward(a, it, b, a.lse + it.row_begin * a.H);
   // sum, mean and max aggregate the messages themselves: write them in place.
   acc_t* m = a.gated() ? b.m : a.messages + it.row_begin * a.C;
-  output_messages(a, R, b.o, m, m);
+  output_messages(a, R, b.o, m);
   aggregation_inputs(a, it, m, b.row_lse, b.row_delta);
 }
 
@@ -33,12 +33,13 @@ void ntconv_backward_item(const NtconvArgs<acc_t>& a, const NtconvItem& it,
   acc_t* dw_out = db_qkv + 3 * C;
   acc_t* db_out = dw_out + a.C_out * C;
   acc_t* dw_edge = db_out + a.C_out;
-  // 1. Recompute steps 1-4 (lse of exact rows into scratch; the saved one is read below).
+  // 1. Recompute steps 1-4 (lse of exact rows into scratch; the saved one is
+  //    read below), keeping GELU'(u) in u and GELU'(pre) in a.
   message_inputs(a, it, b.u, b.edge);
-  activate(a, it.row_begin, R, b.u, b.z);
+  activate(a, it.row_begin, R, b.u, b.z, true);
   project_qkv(a, R, b.z, b.q, b.k, b.v);
   attention_forward(a, it, b, b.lse);
-  output_messages(a, R, b.o, b.a, b.m);
+  output_messages_keep_grad(a, R, b.o, b.a, b.m);
   // 2. Message gradient, then the output projection and its GELU.
   message_grad(a, it, b.m, b.row_lse, b.row_delta, b.dm);
   output_messages_backward(a, R, b.o, b.a, b.dm, dw_out, db_out, b.d_o);

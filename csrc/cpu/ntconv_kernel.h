@@ -16,10 +16,11 @@ void ntconv_run_forward(const NtconvArgs<double>& a, const NtconvPlan& plan, dou
 // Backward of every item (d_centre, du, d_edge_attr as set in a), then
 // d_receiver (nullptr: not wanted) rows [0, min(N, N_out)) from a.du, and the
 // weight gradients d_weights (a.partial_size() elements, the partial layout)
-// summed over the chunks in chunk order.
-void ntconv_run_backward(const NtconvArgs<float>& a, const NtconvPlan& plan, float* d_receiver,
-                         float* d_weights);
-void ntconv_run_backward(const NtconvArgs<double>& a, const NtconvPlan& plan, double* d_receiver,
-                         double* d_weights);
+// summed over the chunk partials in chunk order; `partials` is scratch of
+// plan.num_chunks() * a.partial_size() elements.
+void ntconv_run_backward(const NtconvArgs<float>& a, const NtconvPlan& plan, float* partials,
+                         float* d_receiver, float* d_weights);
+void ntconv_run_backward(const NtconvArgs<double>& a, const NtconvPlan& plan, double* partials,
+                         double* d_receiver, double* d_weights);
 
 }  // namespace nt_kernels::cpu

@@ -15,6 +15,7 @@
 
 #include "cpu/ntconv_kernel.h"
 #include "cpu/ntconv_math.h"
+#include "cpu/transient_buffer.h"
 #include "ops/ntconv.h"
 
 namespace nt_kernels::cpu {
@@ -181,10 +182,12 @@ std::tuple<Tensor, Tensor, Tensor> ntconv_fwd_cpu(
   Tensor out = at::empty({s.N_out, s.C}, acc_options);
   Tensor lse = at::empty({s.E, s.H}, centre.options().dtype(at::kFloat));
   Tensor stats = at::empty(ntconv_stats_shape(s), acc_options);
-  // Per-message transients: every packed row is written before it is read.
-  Tensor messages = at::empty({s.E, s.C}, acc_options);
+  // Per-message transients, reused between calls: every packed row is written before it is read.
   const bool receiver_softmax = s.aggr == Aggr::WEIGHTED_MEAN && s.gate_group == GateGroup::RECEIVER;
-  Tensor gates = at::empty({receiver_softmax ? s.E : 0, s.H}, acc_options);
+  const int64_t num_gates = receiver_softmax ? s.E * s.H : 0;
+  TransientLease transients(TransientLease::bytes_of(s.E * s.C, acc) + TransientLease::bytes_of(num_gates, acc));
+  Tensor messages = transients.take({s.E, s.C}, acc);
+  Tensor gates = transients.take({num_gates}, acc);
   AT_DISPATCH_FLOATING_TYPES(acc, OP, [&] {
     AccInputs t(in, acc);
     NtconvArgs<scalar_t> a = make_args<scalar_t>(in, s, t, path, scale, eps);
@@ -220,7 +223,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ntcon
   const bool want_edge = s.F > 0 && input_mask[2];
   Tensor d_centre = input_mask[0] ? at::zeros({s.N, s.C}, acc_options) : Tensor();
   Tensor d_receiver = input_mask[1] ? at::zeros({s.N, s.C}, acc_options) : Tensor();
-  Tensor du = input_mask[1] ? at::empty({s.E, s.C}, acc_options) : Tensor();
+  const int64_t du_size = input_mask[1] ? s.E * s.C : 0;
   Tensor d_edge = want_edge ? at::empty({s.E, s.F}, acc_options) : Tensor();
   Tensor d_weights;
   AT_DISPATCH_FLOATING_TYPES(acc, OP, [&] {
@@ -234,10 +237,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> ntcon
     a.lse_in = lse_c.data_ptr<float>();
     a.stats = stats_c.data_ptr<scalar_t>();
     a.d_centre = d_centre.defined() ? d_centre.data_ptr<scalar_t>() : nullptr;
-    a.du = du.defined() ? du.data_ptr<scalar_t>() : nullptr;
     a.d_edge_attr = d_edge.defined() ? d_edge.data_ptr<scalar_t>() : nullptr;
     const NtconvPlan plan = make_ntconv_plan(a.rowptr, a.path, s.S, NtconvCost::of(a));
-    ntconv_run_backward(a, plan, d_receiver.defined() ? d_receiver.data_ptr<scalar_t>() : nullptr,
+    // Transients, reused between calls: du (every row written before it is
+    // read) and the chunk partials (zero-filled by the kernel).
+    const int64_t num_partials = plan.num_chunks() * a.partial_size();
+    TransientLease transients(TransientLease::bytes_of(du_size, acc) + TransientLease::bytes_of(num_partials, acc));
+    const Tensor du = transients.take({du_size}, acc);
+    const Tensor partials = transients.take({num_partials}, acc);
+    a.du = input_mask[1] ? du.data_ptr<scalar_t>() : nullptr;
+    ntconv_run_backward(a, plan, partials.data_ptr<scalar_t>(),
+                        d_receiver.defined() ? d_receiver.data_ptr<scalar_t>() : nullptr,
                         d_weights.data_ptr<scalar_t>());
   });
   // Split the weight gradients ([w_qkv | b_qkv | w_out | b_out | w_edge]).

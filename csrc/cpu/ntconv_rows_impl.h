@@ -17,11 +17,30 @@ NT_INLINE void linear_rows(const acc_t* x, int64_t R, int64_t K, const acc_t* w_
 // Rows per block of the cascaded column sums.
 constexpr int64_t COLUMN_SUM_BLOCK = 8;
 
-// Weight gradient partial: dw (N x K) += dy^T x for dy (R x N), x (R x K).
+// Rows per block of the cascaded weight-gradient sums.
+constexpr int64_t WEIGHT_GRAD_BLOCK = 64;
+
+// Weight gradient partial: dw (N x K) += dy^T x for dy (R x N), x (R x K),
+// cascaded like the column sums: each block of WEIGHT_GRAD_BLOCK rows is
+// summed on its own (in a per-thread buffer) and the block sums are added to
+// dw in order, so an item holding a hub of thousands of rows keeps float32
+// sums short.
 template <typename acc_t>
 NT_INLINE void linear_weight_grad(const acc_t* dy, int64_t R, int64_t N, const acc_t* x, int64_t K,
                                   acc_t* dw) {
-  mm_acc<true>(dy, N, x, K, dw, K, N, R, K);
+  if (R <= WEIGHT_GRAD_BLOCK) {
+    mm_acc<true>(dy, N, x, K, dw, K, N, R, K);
+    return;
+  }
+  thread_local std::vector<acc_t> block_sum;
+  if (static_cast<int64_t>(block_sum.size()) < N * K) block_sum.resize(N * K);
+  acc_t* __restrict sum = block_sum.data();
+  for (int64_t r0 = 0; r0 < R; r0 += WEIGHT_GRAD_BLOCK) {
+    const int64_t nr = std::min(WEIGHT_GRAD_BLOCK, R - r0);
+    fill(sum, N * K, acc_t(0));
+    mm_acc<true>(dy + r0 * N, N, x + r0 * K, K, sum, K, N, nr, K);
+    for (int64_t i = 0; i < N * K; ++i) dw[i] += sum[i];
+  }
 }
 
 // Bias gradient partial: db (N) += the column sums of dy (R x N), cascaded:
@@ -63,36 +82,42 @@ void message_inputs(const NtconvArgs<acc_t>& a, const NtconvItem& it, acc_t* u, 
   mm_acc(edge, F, a.w_edge_t, C, u, C, R, F, C);
 }
 
-// Step 1b: z = GELU(u) times the dropout multiplier of (packed row, channel).
+// Dropout multipliers applied to R rows (x *= multiplier of (row0 + i, channel)).
 template <typename acc_t>
-void activate(const NtconvArgs<acc_t>& a, int64_t row0, int64_t R, const acc_t* u, acc_t* z) {
+NT_INLINE void apply_dropout(const NtconvArgs<acc_t>& a, int64_t row0, int64_t R, acc_t* x) {
   const int64_t C = a.C;
-  for (int64_t i = 0; i < R * C; ++i) z[i] = gelu(u[i]);
-  if (!a.dropout) return;
   for (int64_t i = 0; i < R; ++i) {
     const uint32_t key = dropout_row_key(a.seed_key, row0 + i);
-    acc_t* __restrict zi = z + i * C;
+    acc_t* __restrict xi = x + i * C;
     for (int64_t c = 0; c < C; ++c) {
-      zi[c] *= dropout_multiplier(key, static_cast<uint32_t>(c), a.drop_threshold, a.keep_scale);
+      xi[c] *= dropout_multiplier(key, static_cast<uint32_t>(c), a.drop_threshold, a.keep_scale);
     }
   }
 }
 
-// Backward of step 1b in place: dz becomes du = dz * multiplier * GELU'(u).
+// Step 1b: z = GELU(u) times the dropout multiplier of (packed row, channel).
+// With keep_grad (the backward's recompute) u is overwritten with GELU'(u).
 template <typename acc_t>
-void activate_backward(const NtconvArgs<acc_t>& a, int64_t row0, int64_t R, const acc_t* u,
-                       acc_t* dz) {
-  const int64_t C = a.C;
-  if (a.dropout) {
-    for (int64_t i = 0; i < R; ++i) {
-      const uint32_t key = dropout_row_key(a.seed_key, row0 + i);
-      acc_t* __restrict di = dz + i * C;
-      for (int64_t c = 0; c < C; ++c) {
-        di[c] *= dropout_multiplier(key, static_cast<uint32_t>(c), a.drop_threshold, a.keep_scale);
-      }
-    }
+void activate(const NtconvArgs<acc_t>& a, int64_t row0, int64_t R, acc_t* u, acc_t* z, bool keep_grad) {
+  acc_t* __restrict in = u;
+  acc_t* __restrict out = z;
+  if (keep_grad) {
+    for (int64_t i = 0; i < R * a.C; ++i) gelu_and_grad(in[i], out[i], in[i]);
+  } else {
+    for (int64_t i = 0; i < R * a.C; ++i) out[i] = gelu(in[i]);
   }
-  for (int64_t i = 0; i < R * C; ++i) dz[i] *= gelu_grad(u[i]);
+  if (a.dropout) apply_dropout(a, row0, R, z);
+}
+
+// Backward of step 1b in place: dz becomes du = dz * multiplier * GELU'(u),
+// with u_grad = GELU'(u) from activate(..., keep_grad = true).
+template <typename acc_t>
+void activate_backward(const NtconvArgs<acc_t>& a, int64_t row0, int64_t R, const acc_t* u_grad,
+                       acc_t* dz) {
+  if (a.dropout) apply_dropout(a, row0, R, dz);
+  const acc_t* __restrict g = u_grad;
+  acc_t* __restrict d = dz;
+  for (int64_t i = 0; i < R * a.C; ++i) d[i] *= g[i];
 }
 
 // Step 2: q, k, v (R x C each) = z W_{q,k,v}^T + b_{q,k,v}.
@@ -120,22 +145,34 @@ void project_qkv_backward(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* z,
   }
 }
 
-// Step 4 (before aggregation): pre (R x C_out) = o W_out^T + b_out and
-// m = GELU(pre); m may be pre.
+// Step 4 (before aggregation): m (R x C_out) = GELU(o W_out^T + b_out).
 template <typename acc_t>
-void output_messages(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* o, acc_t* pre, acc_t* m) {
-  linear_rows(o, R, a.C, a.w_out_t, a.C_out, a.b_out, a.C_out, pre);
-  for (int64_t i = 0; i < R * a.C_out; ++i) m[i] = gelu(pre[i]);
+void output_messages(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* o, acc_t* m) {
+  linear_rows(o, R, a.C, a.w_out_t, a.C_out, a.b_out, a.C_out, m);
+  for (int64_t i = 0; i < R * a.C_out; ++i) m[i] = gelu(m[i]);
 }
 
-// Backward of step 4 from dm (R x C_out, overwritten): weight partials, and
-// d_o (R x C) = d pre W_out with d pre = dm GELU'(pre).
+// Step 4 for the backward's recompute: m = GELU(pre) as output_messages, and
+// pre (R x C_out) is left holding GELU'(pre).
+template <typename acc_t>
+void output_messages_keep_grad(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* o, acc_t* pre,
+                               acc_t* m) {
+  linear_rows(o, R, a.C, a.w_out_t, a.C_out, a.b_out, a.C_out, pre);
+  acc_t* __restrict in = pre;
+  acc_t* __restrict out = m;
+  for (int64_t i = 0; i < R * a.C_out; ++i) gelu_and_grad(in[i], out[i], in[i]);
+}
+
+// Backward of step 4 from dm (R x C_out, overwritten) and pre_grad = GELU'(pre):
+// weight partials, and d_o (R x C) = d pre W_out with d pre = dm pre_grad.
 template <typename acc_t>
 void output_messages_backward(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* o,
-                              const acc_t* pre, acc_t* dm, acc_t* dw_out, acc_t* db_out,
+                              const acc_t* pre_grad, acc_t* dm, acc_t* dw_out, acc_t* db_out,
                               acc_t* d_o) {
   const int64_t C = a.C, C_out = a.C_out;
-  for (int64_t i = 0; i < R * C_out; ++i) dm[i] *= gelu_grad(pre[i]);
+  const acc_t* __restrict g = pre_grad;
+  acc_t* __restrict d = dm;
+  for (int64_t i = 0; i < R * C_out; ++i) d[i] *= g[i];
   linear_weight_grad(dm, R, C_out, o, C, dw_out);
   fill(d_o, R * C, acc_t(0));
   mm_acc(dm, C_out, a.w_out, C, d_o, C, R, C_out, C);

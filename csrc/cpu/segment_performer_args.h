@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -55,6 +56,15 @@ struct PerformerKernels {
 
 // Item scratch of the per-item entry points, in acc_t:
 // [part | seg | w (BLOCK x m) | group scratch (3 G D + 3 G m + 2 G + D m)].
+// Key blocks of a segment of n rows (at least 1).
+inline int64_t performer_blocks(int64_t n) { return std::max<int64_t>(1, (n + PERFORMER_BLOCK - 1) / PERFORMER_BLOCK); }
+
+// What performer_segment_fwd_keep keeps besides the rows' e, in acc_t: per
+// head [M | S | z] and the statistics of each key block.
+inline int64_t performer_keep_stats_size(int64_t n, int64_t H, int64_t stats_size) {
+  return H * (performer_blocks(n) + 1) * stats_size;
+}
+
 inline int64_t performer_scratch_size(int64_t D, int64_t m) {
   const int64_t stats_size = 1 + m * D + m + D;
   return 2 * stats_size + PERFORMER_BLOCK * m + PERFORMER_GROUP * (3 * D + 3 * m + 2) + D * m;

@@ -156,11 +156,25 @@ NT_INLINE void query_features(const PerformerArgs<scalar_t>& a, const scalar_t* 
   }
 }
 
+// Query features of ng rows from their e kept by query_forward (keep_e):
+// sc.e, phi = fs (e + eps) into sc.phi, and the rows viewed in sc.xr.
+template <typename scalar_t, typename acc_t>
+NT_INLINE void kept_query_features(const PerformerArgs<scalar_t>& a, const scalar_t* q, int64_t ng,
+                                   const acc_t* e, GroupScratch<acc_t>& sc) {
+  const acc_t fs = a.feat_scale, eps = a.eps;
+  sc.xr = view_rows(q, a.H * a.D, ng, a.D, sc.x, sc.ldx);
+  for (int64_t i = 0; i < ng * a.m; ++i) {
+    sc.e[i] = e[i];
+    sc.phi[i] = fs * (e[i] + eps);
+  }
+}
+
 // o_r = phi_r^T S / (phi_r . z) for nr query rows of one head from row0
-// (packed row * H + head), seg = [M | S | z].
+// (packed row * H + head), seg = [M | S | z].  keep_e (nr x m), if given,
+// receives the rows' e for query_backward.
 template <typename scalar_t, typename acc_t>
 NT_INLINE void query_forward(const PerformerArgs<scalar_t>& a, int64_t row0, int64_t nr,
-                             const acc_t* seg, GroupScratch<acc_t>& sc) {
+                             const acc_t* seg, GroupScratch<acc_t>& sc, acc_t* keep_e = nullptr) {
   const int64_t m = a.m, D = a.D, HD = a.H * a.D;
   const acc_t* s = seg + 1;
   const acc_t* z = s + m * D;
@@ -169,6 +183,7 @@ NT_INLINE void query_forward(const PerformerArgs<scalar_t>& a, int64_t row0, int
     const int64_t off = row0 * D + g0 * HD;
     prefetch_rows(a.q + off, HD, PERFORMER_GROUP, 2 * PERFORMER_GROUP, nr - g0, D);
     query_features(a, a.q + off, ng, sc);
+    if (keep_e != nullptr) std::copy(sc.e, sc.e + ng * m, keep_e + g0 * m);
     fill(sc.out, ng * D, acc_t(0));
     mm_acc(sc.phi, m, s, D, sc.out, D, ng, m, D);
     for (int64_t r = 0; r < ng; ++r) {
@@ -204,9 +219,12 @@ NT_INLINE void transpose_md(const acc_t* s, int64_t m, int64_t D, acc_t* t) {
 // dS += phi_r dnum_r^T, dz += phi_r dden_r into grad = [. | dS | dz].
 // With g = dO_r: Sg = S g, den = phi.z, g.o = phi.Sg / den,
 // dnum = g / den, dden = -g.o / den, dphi = (Sg - z g.o) / den, dw = dphi fs e.
+// kept_e (nr x m), if given, holds the rows' e from query_forward, which then
+// are not recomputed.
 template <typename scalar_t, typename acc_t>
 NT_INLINE void query_backward(const PerformerArgs<scalar_t>& a, int64_t row0, int64_t nr,
-                              const acc_t* seg, acc_t* grad, GroupScratch<acc_t>& sc) {
+                              const acc_t* seg, acc_t* grad, GroupScratch<acc_t>& sc,
+                              const acc_t* kept_e = nullptr) {
   const int64_t m = a.m, D = a.D, HD = a.H * a.D;
   const acc_t* z = seg + 1 + m * D;
   acc_t* ds = grad + 1;
@@ -217,7 +235,11 @@ NT_INLINE void query_backward(const PerformerArgs<scalar_t>& a, int64_t row0, in
     const int64_t off = row0 * D + g0 * HD;
     prefetch_rows(a.q + off, HD, PERFORMER_GROUP, 2 * PERFORMER_GROUP, nr - g0, D);
     prefetch_rows(a.grad_o + off, HD, PERFORMER_GROUP, 2 * PERFORMER_GROUP, nr - g0, D);
-    query_features(a, a.q + off, ng, sc);
+    if (kept_e != nullptr) {
+      kept_query_features(a, a.q + off, ng, kept_e + g0 * m, sc);
+    } else {
+      query_features(a, a.q + off, ng, sc);
+    }
     sc.gr = view_rows(a.grad_o + off, HD, ng, D, sc.g, sc.ldg);
     fill(sc.t, ng * m, acc_t(0));
     mm_acc(sc.gr, sc.ldg, sc.st, m, sc.t, m, ng, D, m);  // S g per row
@@ -386,6 +408,70 @@ void performer_segment_bwd(const PerformerArgs<scalar_t>& a, int64_t row, int64_
     fill(part + 1, a.m * a.D + a.m, acc_t(0));
     query_backward(a, row * a.H + h, n, seg, part, sc);
     key_backward(a, row * a.H + h, n, ew, part, sc);
+  }
+}
+
+// A whole segment of any length in one thread, forward, keeping per head h
+// what its backward needs (the fused layer recomputes the forward and then
+// runs the backward in the same thread): the keys' e = exp(w - M) at
+// key_e + h n m, the queries' e at query_e + h n m (n x m each) and, at
+// stats + h (nb + 1) stats_size (performer_keep_stats_size), [M | S | z]
+// followed by the nb key blocks' statistics.  As in the multi-thread
+// kernels, the keys are summed in blocks of PERFORMER_BLOCK rows, combined in
+// block order (the accuracy of long float32 sums), and each block's e is then
+// rescaled from its block max to the segment's.
+template <typename scalar_t>
+void performer_segment_fwd_keep(const PerformerArgs<scalar_t>& a, int64_t row, int64_t n,
+                                acc_type_t<scalar_t>* key_e, acc_type_t<scalar_t>* query_e,
+                                acc_type_t<scalar_t>* stats, acc_type_t<scalar_t>* scratch) {
+  using acc_t = acc_type_t<scalar_t>;
+  auto sc = group_scratch(a, scratch);
+  const int64_t nb = performer_blocks(n), m = a.m;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const int64_t off = (row * a.H + h) * a.D;
+    acc_t* seg_h = stats + h * (nb + 1) * a.stats_size;
+    acc_t* parts = seg_h + a.stats_size;
+    acc_t* e_h = key_e + h * n * m;
+    for (int64_t b = 0; b < nb; ++b) {  // key statistics per block
+      const int64_t r0 = b * PERFORMER_BLOCK, nr = std::min(PERFORMER_BLOCK, n - r0);
+      key_block_stats(a, a.k + off + r0 * a.H * a.D, a.v + off + r0 * a.H * a.D, nr, e_h + r0 * m,
+                      parts + b * a.stats_size, sc);
+    }
+    combine_key_stats(a, parts, a.stats_size, nb, n, seg_h);
+    for (int64_t b = 0; nb > 1 && b < nb; ++b) {  // e relative to the segment max
+      const int64_t r0 = b * PERFORMER_BLOCK, nr = std::min(PERFORMER_BLOCK, n - r0);
+      const acc_t rescale = exp_acc(parts[b * a.stats_size] - seg_h[0]);
+      for (int64_t i = r0 * m; i < (r0 + nr) * m; ++i) e_h[i] *= rescale;
+    }
+    query_forward(a, row * a.H + h, n, seg_h, sc, query_e + h * n * m);
+  }
+}
+
+// The backward of performer_segment_fwd_keep from what it kept: no feature
+// map or statistic is recomputed.  The queries' [dS | dz] are summed per key
+// block (into the kept blocks' place) and the blocks added in block order.
+template <typename scalar_t>
+void performer_segment_bwd_kept(const PerformerArgs<scalar_t>& a, int64_t row, int64_t n,
+                                const acc_type_t<scalar_t>* key_e,
+                                const acc_type_t<scalar_t>* query_e,
+                                acc_type_t<scalar_t>* stats, acc_type_t<scalar_t>* scratch) {
+  using acc_t = acc_type_t<scalar_t>;
+  auto sc = group_scratch(a, scratch);
+  const int64_t nb = performer_blocks(n), m = a.m, grad_size = a.m * a.D + a.m;
+  for (int64_t h = 0; h < a.H; ++h) {
+    const acc_t* seg_h = stats + h * (nb + 1) * a.stats_size;
+    acc_t* grads = stats + h * (nb + 1) * a.stats_size + a.stats_size;  // [. | dS | dz] per block
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t r0 = b * PERFORMER_BLOCK, nr = std::min(PERFORMER_BLOCK, n - r0);
+      acc_t* grad = grads + b * a.stats_size;
+      fill(grad + 1, grad_size, acc_t(0));
+      query_backward(a, (row + r0) * a.H + h, nr, seg_h, grad, sc, query_e + h * n * m + r0 * m);
+    }
+    for (int64_t b = 1; b < nb; ++b) {
+      const acc_t* grad = grads + b * a.stats_size;
+      for (int64_t i = 1; i <= grad_size; ++i) grads[i] += grad[i];
+    }
+    key_backward(a, row * a.H + h, n, key_e + h * n * m, grads, sc);
   }
 }
 

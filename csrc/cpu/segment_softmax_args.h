@@ -14,6 +14,13 @@ constexpr int64_t SOFTMAX_BLOCK = 128;
 // transposed block.
 constexpr int64_t SOFTMAX_CHUNK = 32;
 
+// Segments of up to this many rows take the whole-segment functions that keep
+// their probabilities (softmax_segment_fwd_keep / _bwd_kept) in the fused layer.
+constexpr int64_t SOFTMAX_KEEP_MAX = 256;
+
+// Scratch of the whole-segment functions for n rows, in acc_t.
+inline int64_t softmax_keep_scratch_size(int64_t n, int64_t D) { return n * n + 2 * n * D; }
+
 // The largest of the three kernels' scratch layouts (pass B's), in acc_t.
 inline int64_t softmax_scratch_size(int64_t D) {
   return 4 * D * SOFTMAX_BLOCK + 4 * SOFTMAX_CHUNK * D + 2 * SOFTMAX_CHUNK * SOFTMAX_BLOCK +

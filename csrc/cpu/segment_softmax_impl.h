@@ -240,3 +240,68 @@ void softmax_bwd_key_run(const SoftmaxArgs<scalar_t>& a, int64_t start, int64_t 
     }
   }
 }
+
+// ---- whole segments with kept probabilities (the fused layer) -------------
+// For a segment of n <= SOFTMAX_KEEP_MAX rows done by one thread that runs
+// the forward and then the backward (the fused layer's recompute), all heads:
+// the forward keeps P (n x n per head, at p + h n n); the backward needs no
+// second score product and no exponential.  acc_t inputs only (scalar_t ==
+// acc_t); scratch: softmax_keep_scratch_size(n, D).
+
+// Forward: S = scale Q K^T, P = the row softmax of S (kept), o = P V, and lse.
+template <typename acc_t>
+void softmax_segment_fwd_keep(const SoftmaxArgs<acc_t>& a, int64_t start, int64_t n, acc_t* p,
+                              acc_t* scratch) {
+  const int64_t H = a.H, D = a.D, HD = H * D;
+  acc_t* qs = scratch;     // n x D: scaled query rows
+  acc_t* kt = qs + n * D;  // D x n: key rows transposed
+  for (int64_t i = 0; i < n; ++i) fill(a.out + (start + i) * HD, HD, acc_t(0));
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t row0 = start * H + h;
+    acc_t* ph = p + h * n * n;
+    load_scaled_rows(a.q + row0 * D, HD, n, D, a.scale, qs);
+    load_transposed(a.k + row0 * D, HD, n, D, acc_t(1), kt);
+    fill(ph, n * n, acc_t(0));
+    mm_acc(qs, D, kt, n, ph, n, n, D, n);
+    for (int64_t i = 0; i < n; ++i) {
+      acc_t* pi = ph + i * n;
+      const acc_t peak = max_of(pi, n, acc_t(-INFINITY));
+      for (int64_t j = 0; j < n; ++j) pi[j] = exp_acc(pi[j] - peak);
+      const acc_t total = sum_of(pi, n);
+      const acc_t inv = acc_t(1) / total;
+      for (int64_t j = 0; j < n; ++j) pi[j] *= inv;
+      a.lse[row0 + i * H] = static_cast<float>(peak + std::log(total));
+    }
+    mm_acc(ph, n, a.v + row0 * D, HD, a.out + row0 * D, HD, n, n, D);
+  }
+}
+
+// Backward from the kept P: dP = dO V^T, dS = scale P (dP - rowsum(P dP)),
+// dq = dS K, dk = dS^T Q, dv = P^T dO.
+template <typename acc_t>
+void softmax_segment_bwd_kept(const SoftmaxArgs<acc_t>& a, int64_t start, int64_t n, const acc_t* p,
+                              acc_t* scratch) {
+  const int64_t H = a.H, D = a.D, HD = H * D;
+  acc_t* vt = scratch;     // D x n: value rows transposed
+  acc_t* ds = vt + D * n;  // n x n: dP, then dS
+  for (int64_t i = 0; i < n; ++i) {
+    for (acc_t* d : {a.dq, a.dk, a.dv}) fill(d + (start + i) * HD, HD, acc_t(0));
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t row0 = start * H + h;
+    const acc_t* ph = p + h * n * n;
+    const acc_t* go = a.grad_o + row0 * D;
+    load_transposed(a.v + row0 * D, HD, n, D, acc_t(1), vt);
+    fill(ds, n * n, acc_t(0));
+    mm_acc(go, HD, vt, n, ds, n, n, D, n);
+    for (int64_t i = 0; i < n; ++i) {
+      const acc_t* pi = ph + i * n;
+      acc_t* di = ds + i * n;
+      const acc_t delta = dot_of(pi, di, n);
+      for (int64_t j = 0; j < n; ++j) di[j] = a.scale * pi[j] * (di[j] - delta);
+    }
+    mm_acc(ds, n, a.k + row0 * D, HD, a.dq + row0 * D, HD, n, n, D);
+    mm_acc<true>(ds, n, a.q + row0 * D, HD, a.dk + row0 * D, HD, n, n, D);
+    mm_acc<true>(ph, n, go, HD, a.dv + row0 * D, HD, n, n, D);
+  }
+}

@@ -2,7 +2,7 @@
 
 Plain PyTorch plus the loop ops of :mod:`nt_reference.ops`; nothing from
 nt_kernels.  The combiner multiplies the explicit concatenation
-[x_j | x_k | e_jk], the aggregators are dense (N x E) masked reductions, so
+[x_j | x_k | e_jk], the aggregators are dense (N x E) masked reductions (max a scatter), so
 only small graphs fit.  Parameter and buffer names equal those of
 ``nt_kernels.nn``, so ``reference.load_state_dict(fused.state_dict())``
 gives both the same weights.
@@ -57,9 +57,16 @@ def aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_gro
             weight = _masked_softmax(gate, nodes.unsqueeze(1) == centre.unsqueeze(0)).sum(0)
         return incidence @ (value * weight.unsqueeze(-1)).flatten(1)
     if aggr == "max":
-        spread = messages.unsqueeze(0).masked_fill(~at_receiver.unsqueeze(-1), -math.inf)
-        peak = spread.amax(dim=1)
-        return torch.where(at_receiver.any(1, keepdim=True), peak, torch.zeros_like(peak))
+        # Per receiver and channel the largest message, 0 without messages; the
+        # gradient is split evenly among tied maxima (as amax does).  A scatter,
+        # not a dense (N, E, C) spread, which would not fit for thousands of rows.
+        # The initial value is -inf: amax's backward counts an initial value equal
+        # to the maximum as a tie even with include_self=False.
+        index = receiver.unsqueeze(1).expand_as(messages)
+        peak = messages.new_full((num_nodes, messages.shape[1]), -math.inf).scatter_reduce(
+            0, index, messages, "amax", include_self=False)
+        has_message = torch.bincount(receiver, minlength=num_nodes).unsqueeze(1) > 0
+        return torch.where(has_message, peak, torch.zeros_like(peak))
     total = incidence @ messages
     if aggr == "mean":
         return total / incidence.sum(1, keepdim=True).clamp(min=1)
