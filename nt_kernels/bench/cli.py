@@ -442,23 +442,12 @@ def run(args) -> int:
     if args.layer:
         return layer.run(args)
     if args.from_json:
-        docs = [(json.loads(Path(f).read_text()), Path(f)) for f in args.from_json]
+        docs = bm.read_results(args.from_json)
     else:
         layer.check_mode(args)
-        names = graph_names(args.graph)
-        out = Path(args.out) if args.out else Path.cwd()
-        if len(names) > 1 and out.suffix == ".json":
-            raise SystemExit("bench: --out must be a directory when several graphs are measured")
-        docs = []
-        for name in names:
-            doc = run_graph(name, args)
-            path = out if out.suffix == ".json" else default_out(doc, out)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc, indent=1) + "\n")
-            docs.append((doc, path))
-    for doc, path in docs:
-        print(format_table(doc))
-        print(f"-> {path}\n")
+        docs = bm.measure_graphs(graph_names(args.graph), args.out, lambda name: run_graph(name, args),
+                                 default_out, "bench")
+    bm.print_results(docs, format_table)
     if args.plot:
         from nt_kernels.bench import plot
 

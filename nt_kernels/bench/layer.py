@@ -609,7 +609,7 @@ def graph_names(spec: str) -> list[str]:
 def run(args) -> int:
     """``nt-kernels bench --layer``: measure (or read --from-json), print, write JSON, update results.md."""
     if args.from_json:
-        docs = [(json.loads(Path(f).read_text()), Path(f)) for f in args.from_json]
+        docs = bm.read_results(args.from_json)
     else:
         check_mode(args)
         _variants(args.variants)
@@ -617,20 +617,9 @@ def run(args) -> int:
             raise SystemExit("bench --layer: --repeats must be >= 1 and --warmup >= 0")
         if args.messages is not None and args.messages < 1:
             raise SystemExit(f"bench --layer: --messages must be >= 1, got {args.messages}")
-        names = graph_names(args.graph)
-        out = Path(args.out) if args.out else Path.cwd()
-        if len(names) > 1 and out.suffix == ".json":
-            raise SystemExit("bench --layer: --out must be a directory when several graphs are measured")
-        docs = []
-        for name in names:
-            doc = run_graph(name, args)
-            path = out if out.suffix == ".json" else default_out(doc, out)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc, indent=1) + "\n")
-            docs.append((doc, path))
-    for doc, path in docs:
-        print(format_table(doc))
-        print(f"-> {path}\n")
+        docs = bm.measure_graphs(graph_names(args.graph), args.out, lambda name: run_graph(name, args),
+                                 default_out, "bench --layer")
+    bm.print_results(docs, format_table)
     if args.plot and docs:
         print(f"-> {publish(docs, Path(args.docs_dir))}")
     return 0

@@ -257,6 +257,34 @@ def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: 
     return entry
 
 
+def measure_graphs(names: list[str], out_arg: str | None, run_one, out_path, prog: str) -> list[tuple[dict, Path]]:
+    """Runs ``run_one(name)`` for each graph and writes each result document as
+    JSON to ``--out`` (a file for one graph, else a directory where
+    ``out_path(doc, directory)`` names the file; default the current directory)."""
+    out = Path(out_arg) if out_arg else Path.cwd()
+    if len(names) > 1 and out.suffix == ".json":
+        raise SystemExit(f"{prog}: --out must be a directory when several graphs are measured")
+    docs = []
+    for name in names:
+        doc = run_one(name)
+        path = out if out.suffix == ".json" else out_path(doc, out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        docs.append((doc, path))
+    return docs
+
+
+def read_results(files: list[str]) -> list[tuple[dict, Path]]:
+    """The result documents of ``--from-json`` files with their paths."""
+    return [(json.loads(Path(f).read_text()), Path(f)) for f in files]
+
+
+def print_results(docs: list[tuple[dict, Path]], format_table) -> None:
+    for doc, path in docs:
+        print(format_table(doc))
+        print(f"-> {path}\n")
+
+
 def worker_main(spec_path: str) -> int:
     """Subprocess entry: measure the backend described in a spec JSON, write the result JSON."""
     spec = json.loads(Path(spec_path).read_text())
