@@ -16,7 +16,6 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -151,22 +150,7 @@ def _run_subprocess(backend: bb.Backend, settings: dict, graph_file: Path, refs:
             "refs": {key: [str(path), label] for key, (path, label) in refs.items()}}
     (tmp / "spec.json").write_text(json.dumps(spec))
     Path(spec["result_file"]).unlink(missing_ok=True)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "nt_kernels.bench.measure", str(tmp / "spec.json")],
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        entry["status"] = f"timeout: > {timeout:g} s"
-        return entry
-    result = Path(spec["result_file"])
-    if proc.returncode == 0 and result.is_file():
-        return json.loads(result.read_text())
-    if proc.returncode == -9:
-        entry["status"] = "OOM (worker killed by SIGKILL)"
-    else:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        detail = lines[-1][:200] if lines else ""
-        entry["status"] = f"error: worker exited with status {proc.returncode} {detail}".strip()
-    return entry
+    return bm.run_worker("nt_kernels.bench.measure", tmp / "spec.json", Path(spec["result_file"]), timeout, entry)
 
 
 def run_graph(name: str, args) -> dict:

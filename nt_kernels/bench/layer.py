@@ -47,7 +47,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -342,20 +341,7 @@ def _run_worker(spec: dict, tmp: Path, timeout: float) -> dict:
     entry = {"variant": spec["variant"], "fused": spec["variant"] == "fused"}
     spec_file, result = tmp / f"spec-{spec['variant']}.json", tmp / f"result-{spec['variant']}.json"
     spec_file.write_text(json.dumps({**spec, "result_file": str(result)}))
-    try:
-        proc = subprocess.run([sys.executable, "-m", "nt_kernels.bench.layer", str(spec_file)],
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        entry["status"] = f"timeout: > {timeout:g} s"
-        return entry
-    if proc.returncode == 0 and result.is_file():
-        return json.loads(result.read_text())
-    if proc.returncode == -9:
-        entry["status"] = "OOM (worker killed by SIGKILL)"
-    else:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        entry["status"] = f"error: worker exited with status {proc.returncode} {lines[-1][:200] if lines else ''}"
-    return entry
+    return bm.run_worker("nt_kernels.bench.layer", spec_file, result, timeout, entry)
 
 
 # ------------------------------------------------------------------- runs

@@ -35,6 +35,7 @@ import json
 import math
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -255,6 +256,24 @@ def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: 
         if not math.isfinite(entry["max_abs_error"]):
             entry["status"] = "error: non-finite output"
     return entry
+
+
+def run_worker(module: str, spec_file: Path, result_file: Path, timeout: float, entry: dict) -> dict:
+    """Runs ``python -m module spec_file`` and returns the result document it
+    wrote to ``result_file``, else ``entry`` with the status: a timeout, OOM
+    (the worker killed by SIGKILL) or the worker's last stderr line."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", module, str(spec_file)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**entry, "status": f"timeout: > {timeout:g} s"}
+    if proc.returncode == 0 and result_file.is_file():
+        return json.loads(result_file.read_text())
+    if proc.returncode == -9:
+        return {**entry, "status": "OOM (worker killed by SIGKILL)"}
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    detail = lines[-1][:200] if lines else ""
+    return {**entry, "status": f"error: worker exited with status {proc.returncode} {detail}".strip()}
 
 
 def measure_graphs(names: list[str], out_arg: str | None, run_one, out_path, prog: str) -> list[tuple[dict, Path]]:
