@@ -1,6 +1,9 @@
 """Argument checks at the public boundary (DESIGN §5): clear errors naming the op and argument."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from nt_kernels._extension import extension
@@ -71,3 +74,19 @@ def check_projection(op: str, projection, q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{op}: projection must not require grad: it is a fixed random feature matrix "
                          "(draw it with orthogonal_random_features and keep it as a buffer)")
     return projection.contiguous()
+
+
+def check_threshold(op: str, threshold, projection):
+    """The switch threshold: a non-negative real number or None.  Without a
+    projection only None or inf is allowed and inf is returned (every segment
+    takes the exact path); with one, the value as given (None: the caller's
+    default)."""
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
+                                  or math.isnan(threshold) or threshold < 0):
+        raise ValueError(f"{op}: threshold must be a non-negative number or None, got {threshold!r}")
+    if projection is None:
+        if threshold is not None and not math.isinf(threshold):
+            raise ValueError(f"{op}: a finite threshold ({threshold}) needs a projection for the Performer "
+                             "path; pass projection= or threshold=None")
+        return math.inf
+    return threshold

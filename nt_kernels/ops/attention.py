@@ -168,15 +168,8 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
     op = "neighbourhood_attention"
     q, k, v = _checks.check_qkv(op, *_autocast(q, k, v))
     rowptr, csr = _rowptr_of(op, csr_or_rowptr, q)
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                  or math.isnan(threshold) or threshold < 0):
-        raise ValueError(f"{op}: threshold must be a non-negative number, got {threshold!r}")
-    if projection is None:
-        if threshold is not None and not math.isinf(threshold):
-            raise ValueError(f"{op}: a finite threshold ({threshold}) needs a projection for the "
-                             "Performer path; pass projection= or threshold=math.inf")
-        threshold = math.inf
-    else:
+    threshold = _checks.check_threshold(op, threshold, projection)
+    if projection is not None:
         projection = _projection_for(op, projection, q)
         if threshold is None:
             threshold = switch_threshold(projection.shape[0], q.shape[2])

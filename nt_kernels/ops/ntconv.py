@@ -9,13 +9,13 @@ the exact rows' log-sum-exp and the per-receiver statistics.
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from nt_kernels import backends
 from nt_kernels.csr import NeighbourhoodCSR, receiver_csr
+from nt_kernels.ops import _checks
 from nt_kernels.performer import switch_threshold
 
 __all__ = ["ntconv"]
@@ -174,14 +174,7 @@ def _check_projection(projection, centre, head_dim, autocast) -> None:
 
 
 def _threshold(projection, threshold, head_dim) -> float:
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
-                                  or math.isnan(threshold) or threshold < 0):
-        raise ValueError(f"ntconv: threshold must be a non-negative number or None, got {threshold!r}")
-    if projection is None:
-        if threshold is not None and not math.isinf(threshold):
-            raise ValueError(f"ntconv: a finite threshold ({threshold}) needs a projection for the Performer "
-                             "path; pass projection= or threshold=None")
-        return math.inf
+    threshold = _checks.check_threshold("ntconv", threshold, projection)
     return float(switch_threshold(projection.shape[0], head_dim) if threshold is None else threshold)
 
 
