@@ -1,7 +1,12 @@
 // CUDA registrations of nt_kernels::performer_fwd_into / performer_bwd_into:
-// argument checks, the per-call chunk plan (device ops, no host sync), float32
-// scratch from the caching allocator, and the torch-free launchers on the
-// current stream of q's device.
+// argument checks, the choice of kernels, the per-call chunk plan (device ops,
+// no host sync), float32 scratch from the caching allocator, and the
+// torch-free launchers on the current stream of q's device.
+//
+// Kernels: bfloat16 and float16 run the tensor-core kernels when the shape
+// fits them (performer_tensor_cores_fit), float32 and other shapes the SIMT
+// kernels.  NT_KERNELS_PERFORMER=simt forces the SIMT kernels for every dtype
+// (read at every call; unset or "tc" is the default choice).
 //
 // Segment ids and rowptr values are checked like the CPU kernels check them
 // (common/segment_table.h): an id out of range would read outside rowptr, and
@@ -10,7 +15,9 @@
 // already checked (same tensors, unchanged versions) costs nothing.  While
 // the stream is being captured into a CUDA graph nothing can sync, so only
 // pairs checked before the capture (its warm-up run) are covered there.
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -44,9 +51,8 @@ void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
   TORCH_CHECK(q.is_cuda(), op, ": the CUDA kernel needs CUDA tensors");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              ": CUDA supports float32, float16 and bfloat16, got ", dtype);
-  TORCH_CHECK(q.size(2) >= 1 && q.size(2) <= cuda::PERFORMER_MAX_DIM, op,
-              ": head dim must be in 1..", cuda::PERFORMER_MAX_DIM, ", got ", q.size(2));
+              ": q dtype must be float32, float16 or bfloat16 on CUDA, got ", dtype);
+  static_assert(cuda::PERFORMER_MAX_DIM == MAX_HEAD_DIM, "check_packed bounds the head dim");
   TORCH_CHECK(projection.size(0) >= 1, op, ": projection needs at least one feature row");
   TORCH_CHECK(q.size(1) <= std::numeric_limits<int>::max() &&
                   projection.size(0) <= std::numeric_limits<int>::max(),
@@ -61,10 +67,22 @@ void check_segment_values(const char* op, const Tensor& q, const Tensor& rowptr,
   checked.check(op, rowptr, segments, q.size(0));
 }
 
+// SIMT or tensor-core kernels for this call (see the file comment).
+cuda::PerformerImpl choose_impl(const char* op, at::ScalarType dtype, const PerformerProblem& p) {
+  const char* env = std::getenv("NT_KERNELS_PERFORMER");
+  const std::string mode = env != nullptr ? env : "";
+  TORCH_CHECK(mode.empty() || mode == "tc" || mode == "simt", op,
+              ": NT_KERNELS_PERFORMER must be 'tc' or 'simt', got '", mode, "'");
+  if (mode == "simt" || dtype == at::kFloat || !cuda::performer_tensor_cores_fit(p))
+    return cuda::PerformerImpl::Simt;
+  return cuda::PerformerImpl::TensorCore;
+}
+
 // rp and seg are contiguous and, like the chunk plan written to `offsets`, must
 // outlive the launches: the caller keeps them.
-PerformerProblem make_problem(const Tensor& q, const Tensor& rp, const Tensor& seg,
-                              const Tensor& projection, double eps, Tensor& offsets) {
+PerformerProblem make_problem(const char* op, const Tensor& q, const Tensor& rp,
+                              const Tensor& seg, const Tensor& projection, double eps,
+                              Tensor& offsets) {
   const int64_t num = seg.numel();
   // chunks_i = ceil(n_i / CHUNK); offsets = exclusive scan (device ops, no sync).
   const Tensor sizes = rp.index_select(0, seg + 1) - rp.index_select(0, seg);
@@ -72,8 +90,10 @@ PerformerProblem make_problem(const Tensor& q, const Tensor& rp, const Tensor& s
   offsets = at::zeros({num + 1}, seg.options());
   if (num > 0) offsets.narrow(0, 1, num).copy_(chunks.cumsum(0));
 
-  int sm_count = 0;
+  int sm_count = 0, smem_optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        q.get_device()));
   PerformerProblem p;
   p.rows = q.size(0);
   p.heads = (int)q.size(1);
@@ -86,6 +106,8 @@ PerformerProblem make_problem(const Tensor& q, const Tensor& rp, const Tensor& s
   p.chunk_capacity = cuda::performer_chunk_capacity(p.rows, num);
   p.eps = (float)eps;
   p.sm_count = sm_count;
+  p.smem_optin = (size_t)smem_optin;
+  p.impl = choose_impl(op, q.scalar_type(), p);
   return p;
 }
 
@@ -121,7 +143,7 @@ void performer_fwd_into_cuda(const Tensor& o, const Tensor& q, const Tensor& k, 
   const Tensor pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
   Tensor offsets;
-  const PerformerProblem p = make_problem(qc, rp, seg, pc, eps, offsets);
+  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, offsets);
   const Tensor scratch =
       at::empty({(int64_t)cuda::performer_scratch_floats(p, false)}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -151,7 +173,7 @@ void performer_bwd_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& d
   const Tensor gc = grad_o.contiguous(), pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
   Tensor offsets;
-  const PerformerProblem p = make_problem(qc, rp, seg, pc, eps, offsets);
+  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, offsets);
   const Tensor scratch =
       at::empty({(int64_t)cuda::performer_scratch_floats(p, true)}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();

@@ -1,8 +1,9 @@
 // Device helpers shared by the Performer kernels: tile constants, dtype
 // conversion, masked 8-wide row loads/stores, warp-group sums and the lookup of
-// a block's chunk (segment, row range, scratch slot).  Included only by
-// segment_performer_kernel.cu.
+// a block's chunk (segment, row range, scratch slot).  Included by the SIMT
+// and the tensor-core kernels.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -49,6 +50,31 @@ struct Geometry {
   float diag_scale;  // log2(e) * D^-1/2 / 2: diag2 = diag_scale * |x|^2
   float csq;         // D^-1/2 (= c^2), the |x|^2 / 2 term's gradient factor
 };
+
+// Geometry of a problem (host).
+inline Geometry make_geometry(const PerformerProblem& p) {
+  Geometry g;
+  g.heads = p.heads;
+  g.dim = p.dim;
+  g.dp = DCH;
+  g.log_dp = 3;
+  while (g.dp < p.dim) {
+    g.dp <<= 1;
+    ++g.log_dp;
+  }
+  g.features = p.features;
+  g.num_segments = p.num_segments;
+  g.rowptr = p.rowptr;
+  g.segments = p.segments;
+  g.chunk_offsets = p.chunk_offsets;
+  g.chunk_capacity = p.chunk_capacity;
+  g.eps = p.eps;
+  const double c = std::pow((double)p.dim, -0.25);
+  g.proj_scale = (float)(1.4426950408889634 * c);
+  g.diag_scale = (float)(1.4426950408889634 * 0.5 * c * c);
+  g.csq = (float)(c * c);
+  return g;
+}
 
 // The chunk a work item covers: rows [begin, end) of listed segment `index`,
 // whose scratch partials live in slot `slot` and whose combined sums in `first_slot`.

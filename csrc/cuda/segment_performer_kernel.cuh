@@ -3,7 +3,8 @@
 // Tensors are raw pointers into packed (E, H, D) rows (row r, head h starts at
 // (r * H + h) * D), rowptr / segments / chunk_offsets are int64 device arrays,
 // and every launcher runs on the given stream.  Algorithm and launch
-// configuration: docs/kernels_performer.md.
+// configuration: docs/kernels-performer-cuda.md ("CUDA Performer (FAVOR+) kernel" and
+// "CUDA Performer on tensor cores").
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -21,6 +22,11 @@ constexpr int PERFORMER_CHUNK_ROWS = 256;
 // Largest head dimension the kernels support.
 constexpr int PERFORMER_MAX_DIM = 256;
 
+// Which kernels run a call: the SIMT kernels (every dtype, fp32 arithmetic) or
+// the tensor-core kernels (bf16 / fp16 only, shapes that pass
+// performer_tensor_cores_fit).  The binding chooses (NT_KERNELS_PERFORMER).
+enum class PerformerImpl : int { Simt = 0, TensorCore = 1 };
+
 struct PerformerProblem {
   int64_t rows = 0;           // E, packed rows of q, k, v
   int heads = 0;              // H
@@ -33,6 +39,8 @@ struct PerformerProblem {
   int64_t chunk_capacity = 0;  // chunks the scratch has room for (>= chunk_offsets[K])
   float eps = 1e-4f;
   int sm_count = 0;            // multiprocessors of the device (grid sizing)
+  size_t smem_optin = 0;       // shared memory bytes a block may opt in to (tensor-core kernels)
+  PerformerImpl impl = PerformerImpl::Simt;
 };
 
 // Upper bound on chunk_offsets[K] for distinct segments over E rows.
@@ -40,11 +48,17 @@ inline int64_t performer_chunk_capacity(int64_t rows, int64_t num_segments) {
   return num_segments + (rows + PERFORMER_CHUNK_ROWS - 1) / PERFORMER_CHUNK_ROWS;
 }
 
-// float32 scratch elements the forward / backward launcher needs.
+// float32 scratch elements the forward / backward launcher needs (for p.impl).
 size_t performer_scratch_floats(const PerformerProblem& p, bool backward);
+
+// Whether the tensor-core kernels can run p's shape: the (m x (D+1)) sums fit
+// the register-resident accumulators and every kernel's shared memory fits
+// p.smem_optin.  Independent of the dtype (the caller checks bf16 / fp16).
+bool performer_tensor_cores_fit(const PerformerProblem& p);
 
 // o = Performer attention of every row of the listed segments; other rows of o
 // are left untouched.  `scratch` holds performer_scratch_floats(p, false) floats.
+// Runs the tensor-core kernels when p.impl says so (T = __half or __nv_bfloat16).
 template <typename T>
 cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k, const T* v,
                               const T* projection, T* o, float* scratch, cudaStream_t stream);
@@ -55,6 +69,15 @@ template <typename T>
 cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const T* q, const T* k,
                                const T* v, const T* projection, T* dq, T* dk, T* dv,
                                float* scratch, cudaStream_t stream);
+
+// The tensor-core launchers (T = __half, __nv_bfloat16; segment_performer_tc_*.cu).
+template <typename T>
+cudaError_t performer_forward_tc(const PerformerProblem& p, const T* q, const T* k, const T* v,
+                                 const T* projection, T* o, float* scratch, cudaStream_t stream);
+template <typename T>
+cudaError_t performer_backward_tc(const PerformerProblem& p, const T* grad_o, const T* q,
+                                  const T* k, const T* v, const T* projection, T* dq, T* dk,
+                                  T* dv, float* scratch, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace nt_kernels

@@ -1,7 +1,8 @@
-// Launch sequence of the CUDA Performer (FAVOR+) passes over CSR segments:
+// Launch sequence of the SIMT CUDA Performer (FAVOR+) passes over CSR segments
+// (the tensor-core launchers, chosen by p.impl, are in segment_performer_tc_launch.cuh):
 // scratch layout, geometry and the forward / backward launchers (kernels in
 // segment_performer_features.cuh, segment_performer_combine.cuh and
-// segment_performer_rows.cuh; algorithm in docs/kernels.md, "CUDA Performer").
+// segment_performer_rows.cuh; algorithm in docs/kernels-performer-cuda.md, "CUDA Performer").
 // The launchers are instantiated once per dtype, each in its own translation
 // unit (segment_performer_kernel.cu: float, _half.cu, _bf16.cu), so that a
 // build compiles the three in parallel.
@@ -12,6 +13,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/segment_performer_combine.cuh"
 #include "cuda/segment_performer_device.cuh"
@@ -59,30 +61,6 @@ inline ScratchLayout scratch_layout(const PerformerProblem& p, bool backward) {
   return s;
 }
 
-inline Geometry make_geometry(const PerformerProblem& p) {
-  Geometry g;
-  g.heads = p.heads;
-  g.dim = p.dim;
-  g.dp = DCH;
-  g.log_dp = 3;
-  while (g.dp < p.dim) {
-    g.dp <<= 1;
-    ++g.log_dp;
-  }
-  g.features = p.features;
-  g.num_segments = p.num_segments;
-  g.rowptr = p.rowptr;
-  g.segments = p.segments;
-  g.chunk_offsets = p.chunk_offsets;
-  g.chunk_capacity = p.chunk_capacity;
-  g.eps = p.eps;
-  const double c = std::pow((double)p.dim, -0.25);
-  g.proj_scale = (float)(1.4426950408889634 * c);
-  g.diag_scale = (float)(1.4426950408889634 * 0.5 * c * c);
-  g.csq = (float)(c * c);
-  return g;
-}
-
 inline unsigned grid_for(const PerformerProblem& p, int64_t work) {
   const int64_t cap = std::max<int64_t>(1, (int64_t)std::max(p.sm_count, 1) * BLOCKS_PER_SM);
   return (unsigned)std::max<int64_t>(1, std::min(work, cap));
@@ -126,6 +104,10 @@ using namespace launch;
 template <typename T>
 cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k, const T* v,
                               const T* projection, T* o, float* scratch, cudaStream_t stream) {
+  if constexpr (!std::is_same<T, float>::value) {
+    if (p.impl == PerformerImpl::TensorCore)
+      return performer_forward_tc<T>(p, q, k, v, projection, o, scratch, stream);
+  }
   if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, false);
@@ -146,6 +128,10 @@ template <typename T>
 cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const T* q, const T* k,
                                const T* v, const T* projection, T* dq, T* dk, T* dv,
                                float* scratch, cudaStream_t stream) {
+  if constexpr (!std::is_same<T, float>::value) {
+    if (p.impl == PerformerImpl::TensorCore)
+      return performer_backward_tc<T>(p, grad_o, q, k, v, projection, dq, dk, dv, scratch, stream);
+  }
   if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, true);

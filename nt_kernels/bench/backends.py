@@ -4,6 +4,9 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
 
 * ``fused`` — ours, :func:`nt_kernels.neighbourhood_attention` on a
   :class:`NeighbourhoodCSR` whose segment split is built before timing;
+* ``performer-simt`` — the same with the CUDA Performer path forced onto its
+  SIMT kernels (``NT_KERNELS_PERFORMER=simt``), so that one run measures the
+  tensor-core kernels against them (CUDA only);
 * ``reference`` — the per-segment loop of :mod:`nt_reference.ops` (small graphs);
 * the paper's strategies from :mod:`nt_kernels.baselines.strategies`: ``parallel``
   (one padded batch, exact attention everywhere), ``by-size`` (size split at the
@@ -21,6 +24,7 @@ the timed region.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -94,7 +98,8 @@ def all_backends(alphas=ALPHAS) -> list[Backend]:
     """Every backend in table order: ours, the loop reference, the paper's strategies, the peers."""
     from nt_kernels.bench.peers import peer_backends
 
-    backends = [Backend("fused", "fused"), Backend("reference", "reference"),
+    backends = [Backend("fused", "fused"), Backend("performer-simt", "performer-simt"),
+                Backend("reference", "reference"),
                 Backend("parallel", "parallel"), Backend("by-size", "by-size")]
     backends += [Backend(f"partitioned-{a:g}", "partitioned", float(a)) for a in alphas]
     backends += [Backend("sequential", "sequential"), *peer_backends()]
@@ -170,6 +175,11 @@ def skip_reason(backend: Backend, ctx: Context) -> str | None:
         reason = peers.skip_reason(backend, ctx)
         if reason is not None:
             return reason
+    if backend.family == "performer-simt":
+        if ctx.device.type != "cuda":
+            return "n/a: the SIMT CUDA Performer kernels need a CUDA device"
+        if not ctx.has_performer_segments:
+            return "n/a: no Performer-path segments"
     if backend.family == "reference" and ctx.num_edges > ctx.reference_max_edges:
         return f"skipped: loop reference limited to E <= {ctx.reference_max_edges} (--reference-max-edges)"
     est = padded_estimate_bytes(backend, ctx)
@@ -193,9 +203,10 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
     projection = ctx.projection if backend.semantics == "switch" else None
     threshold = ctx.threshold if backend.semantics == "switch" else math.inf
     rowptr = ctx.csr.rowptr
-    if backend.family == "fused":
+    if backend.family in ("fused", "performer-simt"):
         import nt_kernels
 
+        _select_performer_kernels(backend.family)
         csr = ctx.csr
         csr.segment_split(threshold)
         return lambda q, k, v: nt_kernels.neighbourhood_attention(q, k, v, csr, projection=projection,
@@ -224,6 +235,25 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
 
         return peers.prepare(backend, ctx)
     raise ValueError(f"bench: no backend family {backend.family!r}")
+
+
+# NT_KERNELS_PERFORMER as set by performer-simt (read by the CUDA op at every call);
+# fused restores the value it had, so an in-process run does not carry it over.
+_PERFORMER_ENV = "NT_KERNELS_PERFORMER"
+_performer_env_saved: list = []
+
+
+def _select_performer_kernels(family: str) -> None:
+    if family == "performer-simt":
+        if not _performer_env_saved:
+            _performer_env_saved.append(os.environ.get(_PERFORMER_ENV))
+        os.environ[_PERFORMER_ENV] = "simt"
+    elif _performer_env_saved:
+        old = _performer_env_saved.pop()
+        if old is None:
+            os.environ.pop(_PERFORMER_ENV, None)
+        else:
+            os.environ[_PERFORMER_ENV] = old
 
 
 # ----------------------------------------------------------------- fused probe

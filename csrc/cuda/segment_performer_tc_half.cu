@@ -1,0 +1,10 @@
+// Tensor-core CUDA Performer launchers for __half (the launch sequence is in segment_performer_tc_launch.cuh).
+#include "cuda/segment_performer_tc_launch.cuh"
+
+namespace nt_kernels {
+namespace cuda {
+
+NT_PERFORMER_TC_INSTANTIATE(__half)
+
+}  // namespace cuda
+}  // namespace nt_kernels

@@ -1,0 +1,161 @@
+// Tile constants, padded sizes and the shared-memory layout of the
+// tensor-core Performer kernels, shared by the host (launch sizes, support
+// check) and the device (pointers).  D and m are padded to multiples of the
+// 16-wide fragments here only: global tensors and scratch keep D, D + 1 and m.
+#pragma once
+#include <cstddef>
+
+#include <cuda_runtime.h>
+
+#include "cuda/segment_performer_kernel.cuh"
+
+namespace nt_kernels {
+namespace cuda {
+namespace performer_tc {
+
+constexpr int TC_THREADS = 256;                       // threads per block of every TC kernel
+constexpr int TC_WARPS = TC_THREADS / 32;
+constexpr int FRAG = 16;                              // WMMA m16n16k16
+constexpr int TC_ROWS = 32;                           // rows per row tile (two fragment rows)
+constexpr int TC_ROW_THREADS = TC_THREADS / TC_ROWS;  // threads sharing one row in row-wise steps
+// Register-resident accumulator tiles per warp: two kernel variants, the small one
+// (fewer registers, two blocks per SM) for (m x (D+1)) sums of at most 32 tiles.
+constexpr int TC_ACC_SMALL = 4;
+constexpr int TC_ACC_LARGE = 8;
+constexpr int SKEW_T = 8;    // 16-bit elements added to each shared row (bank spread; keeps 32-byte tiles)
+constexpr int SKEW_F = 4;    // floats added to each fp32 shared row
+constexpr int REGION_ALIGN = 128;
+constexpr int TC_ROW_ARRAYS = 6;  // per-row floats: diag, row max, den, lambda, sum t, t scale
+
+static_assert(TC_ROWS % FRAG == 0, "row tiles are whole fragments");
+static_assert(TC_THREADS % TC_ROWS == 0 && (TC_ROW_THREADS & (TC_ROW_THREADS - 1)) == 0,
+              "row-wise steps use a power-of-two group of lanes per row");
+
+enum TcKernel : int { TC_KEYS = 0, TC_QUERIES_FWD = 1, TC_QUERIES_BWD = 2, TC_KEY_GRAD = 3 };
+
+__host__ __device__ constexpr int round_frag(int n) { return (n + FRAG - 1) / FRAG * FRAG; }
+
+// Padded sizes and leading dimensions (elements) of one problem.
+struct TcDims {
+  int dim;     // D
+  int m;       // features
+  int dp;      // D padded: q / k rows and P
+  int dh;      // D + 1 padded: v' = (v, 1), W', h', C'
+  int mp;      // m padded
+  int ld_x, ld_h, ld_e;  // 16-bit tiles: rows of q/k/P, of v'/W'/h'/C', of features
+  int ld_u, ld_o, ld_acc;  // fp32 tiles: rows x m products, rows x D outputs, m x (D+1) staging
+};
+
+__host__ __device__ inline TcDims tc_dims(int dim, int m) {
+  TcDims d;
+  d.dim = dim;
+  d.m = m;
+  d.dp = round_frag(dim);
+  d.dh = round_frag(dim + 1);
+  d.mp = round_frag(m);
+  d.ld_x = d.dp + SKEW_T;
+  d.ld_h = d.dh + SKEW_T;
+  d.ld_e = d.mp + SKEW_T;
+  d.ld_u = d.mp + SKEW_F;
+  d.ld_o = d.dh + SKEW_F;  // dh >= dp
+  d.ld_acc = d.dh + SKEW_F;
+  return d;
+}
+
+// Register-resident accumulators: the (mp x dh) key sums / gradient sums per block.
+__host__ __device__ inline int tc_acc_tiles(const TcDims& d) { return (d.mp / FRAG) * (d.dh / FRAG); }
+__host__ __device__ inline bool tc_accumulators_fit(const TcDims& d) {
+  return tc_acc_tiles(d) <= TC_WARPS * TC_ACC_LARGE;
+}
+// The accumulator variant (tiles per warp) a problem runs with.
+__host__ __device__ inline int tc_acc_variant(const TcDims& d) {
+  return tc_acc_tiles(d) <= TC_WARPS * TC_ACC_SMALL ? TC_ACC_SMALL : TC_ACC_LARGE;
+}
+
+// Byte offsets of the shared-memory regions of one kernel (unused ones empty).
+struct TcLayout {
+  size_t ps, ws, xs, hs, es, f, rows, red, flag, total;
+};
+
+__host__ __device__ inline size_t take(size_t& off, size_t bytes) {
+  const size_t at = off;
+  off = (off + bytes + REGION_ALIGN - 1) / REGION_ALIGN * REGION_ALIGN;
+  return at;
+}
+
+__host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel) {
+  const size_t h = 2;  // bytes of one bf16 / fp16 element
+  const bool queries = kernel == TC_QUERIES_FWD || kernel == TC_QUERIES_BWD;
+  const bool matrix = kernel != TC_KEYS;  // W' or C' staged
+  // fp32 tiles: u/e (+ dP) and the output tile; the keys' and the query
+  // backward's epilogue reuse them for the (mp x D+1) accumulator staging.
+  size_t floats = (size_t)TC_ROWS * d.ld_u;
+  if (kernel == TC_QUERIES_BWD || kernel == TC_KEY_GRAD) floats += (size_t)TC_ROWS * d.ld_u;
+  if (kernel != TC_KEYS) floats += (size_t)TC_ROWS * d.ld_o;
+  if (kernel == TC_KEYS || kernel == TC_QUERIES_BWD) {
+    const size_t staging = (size_t)d.mp * d.ld_acc;
+    floats = floats > staging ? floats : staging;
+  }
+  TcLayout l;
+  size_t off = 0;
+  l.ps = take(off, h * d.mp * d.ld_x);
+  l.ws = take(off, matrix ? h * d.mp * d.ld_h : 0);
+  l.xs = take(off, h * TC_ROWS * d.ld_x);
+  l.hs = take(off, queries && kernel == TC_QUERIES_FWD ? 0 : h * TC_ROWS * d.ld_h);
+  l.es = take(off, h * TC_ROWS * d.ld_e);
+  l.f = take(off, sizeof(float) * floats);
+  l.rows = take(off, sizeof(float) * TC_ROW_ARRAYS * TC_ROWS);
+  l.red = take(off, sizeof(float) * TC_WARPS);
+  l.flag = take(off, sizeof(int));
+  l.total = off;
+  return l;
+}
+
+// Largest dynamic shared memory of the kernels one call launches.
+inline size_t tc_smem_bytes(const TcDims& d, bool backward) {
+  size_t most = 0;
+  for (int k : {TC_KEYS, TC_QUERIES_FWD, TC_QUERIES_BWD, TC_KEY_GRAD}) {
+    if (!backward && (k == TC_QUERIES_BWD || k == TC_KEY_GRAD)) continue;
+    const size_t bytes = tc_layout(d, k).total;
+    most = bytes > most ? bytes : most;
+  }
+  return most;
+}
+
+// float32 scratch of the tensor-core launchers (counters are 32-bit unsigned in float slots).
+struct TcScratch {
+  size_t part, part_max, part_sum, wseg, cseg, seg_stab, wscale, cscale, counters, total;
+};
+
+inline TcScratch tc_scratch_layout(const PerformerProblem& p, bool backward) {
+  constexpr size_t ALIGN = 64;  // floats: 256-byte region starts
+  const auto up = [](size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; };
+  const size_t chunk_heads = (size_t)p.chunk_capacity * p.heads;
+  const size_t seg_heads = (size_t)p.num_segments * p.heads;
+  const size_t mat = (size_t)p.features * (p.dim + 1);
+  TcScratch s{};
+  size_t off = 0;
+  s.part = off;      off += up(chunk_heads * mat);            // A, then C (backward) per chunk
+  s.part_max = off;  off += up(chunk_heads);                  // M_c
+  s.part_sum = off;  off += up(chunk_heads * (p.dim + 1));    // B per chunk
+  s.wseg = off;      off += up(seg_heads * mat);              // W per segment
+  s.cseg = off;      off += backward ? up(seg_heads * mat) : 0;  // C per segment
+  s.seg_stab = off;  off += up(seg_heads);
+  s.wscale = off;    off += up(seg_heads);
+  s.cscale = off;    off += backward ? up(seg_heads) : 0;
+  s.counters = off;  off += up((backward ? 2 : 1) * seg_heads);  // W, then C chunk tickets
+  s.total = off;
+  return s;
+}
+
+// See performer_tensor_cores_fit.
+inline bool tc_fit(const PerformerProblem& p) {
+  if (p.dim < 1 || p.features < 1) return false;
+  const TcDims d = tc_dims(p.dim, p.features);
+  return tc_accumulators_fit(d) && tc_smem_bytes(d, true) <= p.smem_optin;
+}
+
+}  // namespace performer_tc
+
+}  // namespace cuda
+}  // namespace nt_kernels
