@@ -5,8 +5,9 @@ segments all have 1..max_degree rows (every segment in packed tiles), timed
 with CUDA events (median, input sets rotated), against the fewest bytes a
 forward must move (q, k, v read once; o and the float32 lse written once) and
 the device's copy bandwidth measured here (a device-to-device copy, bytes read
-plus bytes written).  Also fwd+bwd time and the op's peak memory against
-q, k, v, o, grad_o, dq, dk, dv and lse.
+plus bytes written).  Also fwd+bwd time against its fewest bytes (the forward's
+plus q, k, v, grad_o and the lse read and dq, dk, dv written once) and the
+op's peak memory against q, k, v, o, grad_o, dq, dk, dv and lse.
 
 ``train-epoch``: NT training epochs on a real graph (paper preset) in float32
 and under bf16 autocast, through nt_kernels.apps.train.train_split (one
@@ -105,11 +106,16 @@ def roofline(args) -> dict:
     bandwidth = copy_bandwidth(device, 2.0 if device.type == "cuda" else 0.125)
     fwd_bytes = 4 * tensor_bytes + e * h * 4   # q, k, v read, o written, lse written
     achieved = fwd_bytes / (fwd_ms * 1e-3) / 1e9
+    # fwd + bwd: the backward reads q, k, v, grad_o and the lse and writes dq, dk, dv (docs/kernels-exact-cuda.md)
+    fwd_bwd_bytes = fwd_bytes + 7 * tensor_bytes + e * h * 4
+    fwd_bwd_achieved = fwd_bwd_bytes / (fwd_bwd_ms * 1e-3) / 1e9
     return {
         "device": device_name(device), "torch": torch.__version__, "dtype": args.dtype,
         "num_edges": e, "num_segments": csr.num_nodes, "max_degree": csr.max_degree, "heads": h, "head_dim": d,
         "forward_ms": fwd_ms, "forward_backward_ms": fwd_bwd_ms, "forward_bytes": fwd_bytes,
         "forward_gb_per_s": achieved, "copy_gb_per_s": bandwidth, "fraction_of_copy_bandwidth": achieved / bandwidth,
+        "forward_backward_bytes": fwd_bwd_bytes, "forward_backward_gb_per_s": fwd_bwd_achieved,
+        "forward_backward_fraction_of_copy_bandwidth": fwd_bwd_achieved / bandwidth,
         "peak_extra_bytes_fwd_bwd": peak, "essential_bytes": essential,
         "peak_over_essential": None if peak is None else (peak + 4 * tensor_bytes) / essential,
         "note": "peak_extra: allocations during fwd+bwd beyond q, k, v, grad_o (already allocated); the ratio "

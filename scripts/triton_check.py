@@ -1,193 +1,221 @@
-"""Ahead-of-time compile check of the Triton kernels, no GPU needed.
+"""Ahead-of-time compile check of the exact-path Triton kernels and their config table, no GPU needed.
 
-Compiles every kernel of nt_kernels/backends/triton with every autotuning config for
-target GPUs (default sm_90, the H100 / H200; ``--arch 80,89,90`` for the A100,
-the L4 / RTX 40 and the H100) through Triton's own pipeline
-(TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas), for each
-dtype and padded head dim asked for, and prints per architecture, kernel and
-setting: how many configs compiled, how many fit the target's shared memory
-per block, whether the first config (the one NT_KERNELS_TRITON_AUTOTUNE=0
-pins) fits, with ``--spills`` how many of the fitting ones have no register
-spills, the smallest shared memory among the configs that fit and (with
-``--spills``) the fewest registers among the spill-free ones.  Packed tile
-classes follow each architecture's shared memory as the launchers do
-(``packed_classes``).  Spills and registers come from ``ptxas -v`` on the
-PTX, run with the ptxas Triton uses for that architecture.  Runs with Triton
-3.6 (the GPU machines' version) and 3.9.  Large head dims are slow to compile
-(ptxas takes 20-30 s per BLOCK_D = 256 kernel on one core of the development CPU).
+Compiles kernels of nt_kernels/backends/triton for target GPUs through Triton's
+own pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas),
+exactly as the launchers would launch them (``fwd_spec`` / ``bwd_spec``:
+kernel, constexprs, warps, stages; pointer arguments 16-byte aligned as the
+runtime specialises them), and reads each compile's shared memory per block
+and, from ``ptxas -v``, its registers and spill stores.
 
-A setting fails the check when no config fits the shared-memory limit (the
-autotuner could launch none), when the first config does not fit (the pinned
-mode could not launch), when a compile fails, or (with ``--spills``) when
-every config that fits spills.  Exit status 1 on failure.
+Two parts:
 
-    python scripts/triton_check.py                     # sm_90, fp32 + bf16, BLOCK_D 16..256
-    python scripts/triton_check.py --arch 80,89,90 --block-d 64
-    python scripts/triton_check.py --arch 80 --dtypes fp32 --block-d 256
+1. The table (always, every architecture in it): each entry of the config
+   table (configs.py; $NT_KERNELS_TRITON_CONFIGS or the shipped
+   config_table.py) is compiled for its architecture at head dim = its class
+   and H = ``--heads``.  It fails when it does not compile, exceeds the
+   architecture's shared memory per block, or spills registers.
+2. The sweep (``--arch`` x ``--dtypes`` x ``--block-d``): per kernel and size
+   class the config a launch would use there (table entry, else the
+   heuristic) must compile, fit and not spill (a heuristic launch of the
+   per-head packed or a multi-tile kernel that spills is reported, not
+   failed: those kernels spilled before the table existed, see
+   docs/kernels-exact-cuda.md); with
+   ``--candidates`` every candidate the tuner times is compiled as well and
+   reported (a candidate that does not fit is not a failure: the tuner skips
+   it).
+
+Packed tile classes follow each architecture's shared memory as the launchers
+do (``packed_classes``).  Runs with Triton 3.6 (the GPU machines' version) and
+3.9.  Exit status 1 on failure.
+
+    python scripts/triton_check.py                          # sm_80, 89, 90; fp32 + bf16; head dims 8..256
+    python scripts/triton_check.py --block-d 64             # CI
+    python scripts/triton_check.py --arch 90 --block-d 8,32 --candidates
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("triton_check: unset TRITON_INTERPRET (the check compiles for a GPU)")
 
-os.environ.pop("NT_KERNELS_TRITON_AUTOTUNE", None)  # compile every config, not only the pinned one
+os.environ.pop("NT_KERNELS_TRITON_AUTOTUNE", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the runtime default; silences Triton 3.9's notice
+os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # registers and spills from Triton's own ptxas -v run
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # never a cache hit (it would print no ptxas log)
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia import compiler as nvidia_compiler  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nt_kernels.backends.triton import softmax_bwd, softmax_fwd  # noqa: E402
+from nt_kernels.backends.triton import configs  # noqa: E402
 from nt_kernels.backends.triton.common import packed_classes  # noqa: E402
-from nt_kernels.backends.triton.plan import PLAN_BLOCK  # noqa: E402
+from nt_kernels.backends.triton.softmax_bwd import bwd_spec  # noqa: E402
+from nt_kernels.backends.triton.softmax_fwd import fwd_spec  # noqa: E402
 
-# Shared memory per block (opt-in maximum) by compute capability, bytes.
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-DTYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+SHARED_LIMIT = configs.ARCH_SHARED_MEMORY
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-# kernel -> (pointer args, scalar args with types, fixed constexprs besides BLOCK_D / DOT_PREC / BF16_EMU)
-KERNELS = {
-    "fwd_packed": (softmax_fwd._fwd_packed_kernel, ["q_ptr", "k_ptr", "v_ptr", "o_ptr"],
-                   {"lse_ptr": "*fp32", "plan": "*i64", "H": "i32", "D": "i32", "qk_scale": "fp32"}),
-    "fwd_multi": (softmax_fwd._fwd_multi_kernel, ["q_ptr", "k_ptr", "v_ptr", "o_ptr"],
-                  {"lse_ptr": "*fp32", "plan": "*i64", "H": "i32", "D": "i32", "qk_scale": "fp32"}),
-    "bwd_packed": (softmax_bwd._bwd_packed_kernel,
-                   ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr"],
-                   {"lse_ptr": "*fp32", "plan": "*i64", "H": "i32", "D": "i32", "scale": "fp32",
-                    "qk_scale": "fp32"}),
-    "bwd_dq": (softmax_bwd._bwd_dq_kernel, ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr"],
-               {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "plan": "*i64", "H": "i32", "D": "i32",
-                "scale": "fp32", "qk_scale": "fp32"}),
-    "bwd_dkdv": (softmax_bwd._bwd_dkdv_kernel,
-                 ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr"],
-                 {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "plan": "*i64", "H": "i32", "D": "i32",
-                  "scale": "fp32", "qk_scale": "fp32"}),
-}
+POINTER_TYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+FLOAT32_POINTERS = ("lse_ptr", "delta_ptr")
+SCALARS = {"plan": "*i64", "H": "i32", "D": "i32", "scale": "fp32", "qk_scale": "fp32"}
 
 
-def launch_constexprs(name: str, dtype: str, block_d: int, arch: int) -> list[dict]:
-    """The constexprs the launcher passes besides the config's (one dict per launch);
-    like the launchers, packed classes taller than the architecture's
-    max_packed_tile are left out."""
-    if name.endswith("packed"):
-        classes = packed_classes(TORCH_DTYPES[dtype], block_d, SHARED_LIMIT[arch])
-        return [{"CLASS": c, "TILE": t} for c, t in classes]
-    if name == "bwd_dkdv":
-        return [{"BLOCK_N": PLAN_BLOCK}]
-    return [{"BLOCK_M": PLAN_BLOCK}]
+def spec_of(kernel: str, config: dict, dtype: str, heads: int, head_dim: int, cls: int, tile: int):
+    make = fwd_spec if kernel.startswith("fwd") else bwd_spec
+    return make(kernel, config, TORCH_DTYPES[dtype], heads, head_dim, cls, tile)
 
 
-def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spill store bytes) of the kernel in ``ptx`` from the bundled ptxas."""
-    ptxas = nvidia_compiler.get_ptxas(arch).path  # the ptxas Triton itself uses for this arch
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        suffix = "a" if arch == 90 else ""
-        out = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-    regs = max((int(r) for r in re.findall(r"Used (\d+) registers", out)), default=0)
-    spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", out))
+def settings(arch: int, dtype: str, head_dim: int) -> list[tuple[str, int, int]]:
+    """(kernel, packed class, tile height) of every launch for this architecture, dtype and head dim."""
+    classes = packed_classes(TORCH_DTYPES[dtype], head_dim, SHARED_LIMIT[arch])
+    return ([("fwd_packed", c, t) for c, t in classes] + [("fwd_multi", 0, 0)]
+            + [("bwd_packed", c, t) for c, t in classes] + [("bwd_dq", 0, 0), ("bwd_dkdv", 0, 0)])
+
+
+def size_of(kernel: str, tile: int) -> str:
+    return configs.size_class(kernel, tile or None)
+
+
+def ptxas_report(log: str) -> tuple[int, int]:
+    """(registers, spill store bytes) from the ``ptxas -v`` log of Triton's own cubin step."""
+    regs = max((int(r) for r in re.findall(r"Used (\d+) registers", log)), default=0)
+    spills = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", log))
     return regs, spills
 
 
 def compile_one(job):
-    """Compiles one (kernel, dtype, BLOCK_D, launch constexprs, config); returns a result row."""
-    name, dtype, block_d, extra, cfg_index, arch, spills_too = job
-    kernel, pointers, scalars = KERNELS[name]
-    config = kernel.configs[cfg_index]
-    fn = kernel.fn
-    constexprs = dict(extra, **config.kwargs, BLOCK_D=block_d, DOT_PREC="ieee", BF16_EMU=False)
-    signature = {}
-    for arg in fn.arg_names:
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in scalars:
-            signature[arg] = scalars[arg]
-        else:
-            assert arg in pointers, f"{name}: no type for argument {arg}"
-            signature[arg] = DTYPES[dtype]
+    """Compile one launch; returns (job, shared bytes or None, registers, spill bytes, error)."""
+    arch, kernel, dtype, head_dim, heads, cls, tile, config, label = job
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs),
-                                  target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-        regs, spills = ptxas_report(compiled.asm["ptx"], arch) if spills_too else (0, 0)
-        return arch, name, dtype, block_d, str(extra), cfg_index, compiled.metadata.shared, regs, spills, ""
+        spec = spec_of(kernel, config, dtype, heads, head_dim, cls, tile)
+        fn = spec.fn
+        signature, attrs = {}, {}
+        for i, arg in enumerate(fn.arg_names):
+            if arg in spec.kwargs and i in fn.constexprs:
+                signature[arg] = "constexpr"
+                continue
+            if arg in spec.kwargs and spec.kwargs[arg] % 16 == 0:  # runtime H / D, specialised like the JIT does
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            signature[arg] = SCALARS.get(arg) or ("*fp32" if arg in FLOAT32_POINTERS else POINTER_TYPES[dtype])
+            if signature[arg].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        constexprs = {a: v for a, v in spec.kwargs.items() if fn.arg_names.index(a) in fn.constexprs}
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):  # Triton prints its ptxas -v log (TRITON_DUMP_PTXAS_LOG=1)
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                      target=GPUTarget("cuda", arch, 32),
+                                      options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        regs, spills = ptxas_report(log.getvalue())
+        return job, compiled.metadata.shared, regs, spills, launched(spec)
     except Exception as exc:  # a compile failure is a check failure, reported with its message
-        return arch, name, dtype, block_d, str(extra), cfg_index, None, 0, 0, f"{type(exc).__name__}: {exc}"[:200]
+        return job, None, 0, 0, f"error {type(exc).__name__}: {exc}"[:300]
 
 
-def summarize(arch: int, rows: list, spills: bool) -> bool:
-    """Prints one architecture's table; True when a setting fails."""
-    limit = SHARED_LIMIT[arch]
-    groups: dict[tuple, list] = {}
-    for row in rows:
-        groups.setdefault(row[1:5], []).append(row)
-    failed = False
-    print(f"sm_{arch}, shared memory limit {limit} B per block; {len(rows)} compiles")
-    print(f"{'kernel':<11} {'dtype':<5} {'BLOCK_D':>7} {'launch':<26} {'compiled':>8} {'fit':>4} {'first':>5} "
-          f"{'no spill':>8} {'min smem':>9} {'regs':>5}")
-    for key, group in groups.items():
-        errors = [r for r in group if r[6] is None]
-        fit = [r for r in group if r[6] is not None and r[6] <= limit]
-        first_fits = any(r[5] == 0 for r in fit)
-        clean = [r for r in fit if r[8] == 0]  # without --spills every fitting config counts
-        bad = bool(errors) or not fit or not clean or not first_fits
+def launched(spec) -> str:
+    """What runs: the kernel's short name, and the tiles per work item of the "heads" kernel."""
+    name = spec.fn.__name__.strip("_").replace("_kernel", "")
+    return f"{name} TILES={spec.kwargs['TILES']}" if "TILES" in spec.kwargs else name
+
+
+def table_jobs(table: dict, heads: int) -> list[tuple]:
+    """One job per table entry (every architecture of the table)."""
+    jobs = []
+    for arch_name, section in table["archs"].items():
+        arch = int(arch_name[3:])
+        for key, config in section["entries"].items():
+            kernel, dtype, dim_class, size = configs.parse_key(key)
+            tile = int(size[1:]) if size.startswith("t") else 0
+            cls = configs.PACKED_HEIGHTS.index(tile) if tile else 0
+            if tile and tile not in dict(packed_classes(TORCH_DTYPES[dtype], dim_class, SHARED_LIMIT[arch])).values():
+                continue  # a class the launchers never run on this architecture
+            jobs.append((arch, kernel, dtype, dim_class, heads, cls, tile, config, "table"))
+    return jobs
+
+
+def sweep_jobs(args, table: dict) -> list[tuple]:
+    """The launch config of every setting asked for; with --candidates also every tuner candidate."""
+    jobs = []
+    for arch in args.archs:
+        for dtype in args.dtypes.split(","):
+            for head_dim in (int(d) for d in args.block_d.split(",")):
+                for kernel, cls, tile in settings(arch, dtype, head_dim):
+                    dim_class, size = configs.head_dim_class(head_dim), size_of(kernel, tile)
+                    config, source = configs.lookup(kernel, dtype, dim_class, size, arch, table)
+                    jobs.append((arch, kernel, dtype, head_dim, args.heads, cls, tile, config, source))
+                    if args.candidates:
+                        for i, cand in enumerate(configs.candidates(kernel, dtype, dim_class, size, args.heads, arch)):
+                            jobs.append((arch, kernel, dtype, head_dim, args.heads, cls, tile, cand, f"candidate {i}"))
+    return jobs
+
+
+def report(rows: list) -> bool:
+    """Print one line per compile; True when a table entry or a launch config fails.
+
+    Table entries and every launch of the "heads" kernel must fit shared
+    memory and not spill.  The per-head packed kernel and the multi-tile
+    kernels (unchanged since before the config table) spill registers in some
+    settings under their heuristic config (the pinned one of the H100 run); such
+    a launch is reported ("spills") without failing, and never written as a
+    table entry.
+    """
+    failed, warned = False, 0
+    print(f"{'arch':<6} {'kernel':<11} {'dtype':<5} {'D':>4} {'size':<5} {'config':<12} {'runs':<20} {'smem':>7} "
+          f"{'regs':>5} {'spill':>5}  params")
+    for job, shared, regs, spills, what in sorted(rows, key=lambda r: r[0][:7] + (r[0][8],)):
+        arch, kernel, dtype, head_dim, _, _, tile, config, label = job
+        error = shared is None
+        too_big = not error and shared > SHARED_LIMIT[arch]
+        if label.startswith("candidate"):
+            bad, note = error, "  (does not fit)" if too_big else ("  (spills)" if spills else "")
+        elif label == "heuristic" and not what.startswith(("fwd_heads", "bwd_heads")) and not too_big and spills:
+            bad, note = False, "  spills (kernel as before the table)"
+            warned += 1
+        else:
+            bad = error or too_big or spills > 0
+            note = "  FAIL" if bad else ""
         failed |= bad
-        print(f"{key[0]:<11} {key[1]:<5} {key[2]:>7} {key[3]:<26} {len(group) - len(errors):>4}/{len(group):<3} "
-              f"{len(fit):>4} {'yes' if first_fits else 'NO':>5} {len(clean) if spills else '-':>8} "
-              f"{min((r[6] for r in fit), default=0):>9} "
-              f"{min((r[7] for r in clean), default=0) if spills else '-':>5}{'  FAIL' if bad else ''}")
-        for r in errors:
-            print(f"    config {r[5]}: {r[9]}")
+        params = ",".join(f"{k}={v}" for k, v in config.items())
+        print(f"sm_{arch:<3} {kernel:<11} {dtype:<5} {head_dim:>4} {size_of(kernel, tile):<5} {label:<12} "
+              f"{'-' if error else what:<20} {'-' if error else shared:>7} {regs:>5} {spills:>5}  {params}{note}")
+        if error:
+            print(f"    {what}")
+    if warned:
+        print(f"{warned} heuristic launches of the per-head packed or multi-tile kernels spill registers "
+              "(not a failure; docs/kernels-exact-cuda.md)")
     return failed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="90", help=f"comma-separated compute capabilities among "
+    parser.add_argument("--arch", default="80,89,90", help=f"comma-separated compute capabilities among "
                         f"{', '.join(map(str, sorted(SHARED_LIMIT)))}")
     parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--block-d", default="16,32,64,128,256", help="padded head dims (powers of two >= 16)")
-    parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--block-d", default="8,16,32,64,128,256", help="head dims of the sweep")
+    parser.add_argument("--heads", type=int, default=4, help="H the kernels are compiled for (default 4)")
+    parser.add_argument("--candidates", action="store_true", help="also compile every tuner candidate")
+    parser.add_argument("--no-table", action="store_true", help="skip the table entries (sweep only)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--spills", action="store_true",
-                        help="also run ptxas -v on each kernel for registers and spills (doubles the time)")
     args = parser.parse_args()
-    archs = [int(a) for a in args.arch.split(",")]
-    for arch in archs:
+    args.archs = [int(a) for a in args.arch.split(",")]
+    for arch in args.archs:
         if arch not in SHARED_LIMIT:
             parser.error(f"--arch {arch}: choose among {', '.join(map(str, sorted(SHARED_LIMIT)))}")
-    print(f"triton {triton.__version__}; configs per kernel: "
-          f"{', '.join(f'{n} {len(k.configs)}' for n, (k, _, _) in KERNELS.items())}")
-    jobs = [(name, dtype, int(bd), extra, i, arch, args.spills)
-            for arch in archs
-            for name in args.kernels.split(",")
-            for dtype in args.dtypes.split(",")
-            for bd in args.block_d.split(",")
-            for extra in launch_constexprs(name, dtype, int(bd), arch)
-            for i in range(len(KERNELS[name][0].configs))]
-    rows = []
+    table = configs.load_table()
+    jobs = ([] if args.no_table else table_jobs(table, args.heads)) + sweep_jobs(args, table)
+    unique = list(dict.fromkeys((j[:7] + (tuple(sorted(j[7].items())),) + j[8:]) for j in jobs))
+    jobs = [j[:7] + (dict(j[7]),) + j[8:] for j in unique]
+    print(f"triton {triton.__version__}; table version {table['version']} "
+          f"({sum(len(s['entries']) for s in table['archs'].values())} entries); {len(jobs)} compiles", flush=True)
     with ProcessPoolExecutor(args.jobs) as pool:
-        for row in pool.map(compile_one, jobs):
-            rows.append(row)
-            print(f"  sm_{row[0]} {row[1]} {row[2]} BLOCK_D={row[3]} {row[4]} config {row[5]}: "
-                  f"{'error' if row[6] is None else f'{row[6]} B shared'}", flush=True)
-    failed = False
-    for arch in archs:
-        failed |= summarize(arch, [r for r in rows if r[0] == arch], args.spills)
-    print(f"triton-check (triton {triton.__version__}, sm_{', sm_'.join(map(str, archs))}):",
+        rows = list(pool.map(compile_one, jobs))
+    failed = report(rows)
+    print(f"triton-check (triton {triton.__version__}, sm_{', sm_'.join(map(str, args.archs))}, table):",
           "FAILED" if failed else "OK")
     return 1 if failed else 0
 

@@ -6,6 +6,14 @@ TRITON_INTERPRET=1 (set in conftest.py), called through the backend functions,
 so every case is tiny; with a GPU the same cases run compiled on CUDA through
 the public op (the dispatcher picks the Triton kernels), plus the CUDA-only
 checks at the end (opcheck, torch.compile, bigger graphs, determinism).
+
+Launch configs come from the config table (configs.py): the default cases run
+the shipped table's configs (its entries, else the heuristic); the variant
+cases install a table that sends every key to one packed kernel variant (the
+whole-row "heads" kernel with tensor-core dots, with CUDA-core product sums,
+one tile per work item, or the per-head kernel) and check every size-class
+boundary, empty, one-row and multi-tile segments and the exact-path threshold
++- 1 under it.
 """
 import math
 
@@ -16,8 +24,13 @@ pytest.importorskip("triton", reason="the optional dependency triton (nt-kernels
 
 import nt_kernels  # noqa: E402
 import nt_kernels.backends.triton.register as ntt  # noqa: E402
+from nt_kernels.backends.triton import configs  # noqa: E402
+from nt_kernels.backends.triton.common import device_arch  # noqa: E402
+from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel, _fwd_heads_kernel  # noqa: E402
 from nt_kernels.backends.triton.plan import (  # noqa: E402
     PLAN_BLOCK, SM90_SHARED_MEMORY, build_plan, describe_plan, max_packed_tile, plan_length)
+from nt_kernels.backends.triton.softmax_bwd import _bwd_packed_kernel, bwd_spec  # noqa: E402
+from nt_kernels.backends.triton.softmax_fwd import _fwd_packed_kernel, fwd_spec  # noqa: E402
 from helpers import assert_close, assert_within_twice_torch_error, packed, rowptr_of  # noqa: E402
 from nt_reference.ops import segment_softmax_attention as reference  # noqa: E402
 
@@ -29,6 +42,9 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # multi-tile segments (65, 130 rows = 3 blocks with a 2-row tail).
 MIXED_SIZES = [0, 1, 3, 3, 3, 5, 1, 0, 9, 12, 2, 20, 64, 65, 4, 130, 0]
 SMALL_SIZES = [2, 1, 5, 0, 3, 7, 9, 1, 16]
+# Every size-class boundary +- 1 of the plan (tile height 16: n <= 8 and 12-16; 32: 9, 10 and
+# 24-32; 64: 11, 17-23 and 33-64; multi-tile above 64), empty and one-row segments.
+BOUNDARY_SIZES = [0, 1, 2, 8, 9, 10, 11, 12, 16, 17, 23, 24, 32, 33, 3, 64, 65, 1, 0, 2]
 
 
 def make_rowptr(sizes):
@@ -240,6 +256,93 @@ def test_nan_stays_in_its_segment():
     keep = torch.cat([torch.arange(3), torch.arange(7, q.shape[0])]).to(DEVICE)
     for name, a, b in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), exact):
         assert_close(a[keep], b[keep], msg=name)
+
+
+# ------------------------------------------------- config variants (table)
+
+HEADS_DOT = {"kernel": "heads", "tile_elems": 4096, "dot": 1, "num_warps": 4, "num_stages": 1}
+VARIANTS = {
+    "heads-tensor-cores": (HEADS_DOT, 32),
+    "heads-cuda-cores": (dict(HEADS_DOT, dot=0, tile_elems=2048), 64),
+    "heads-one-tile": (dict(HEADS_DOT, tile_elems=1024), 32),
+    "per-head": ({"kernel": "head", "num_warps": 8, "num_stages": 2}, 64),
+}
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request, tmp_path, monkeypatch):
+    """A table sending every packed key to one kernel variant and every multi-tile key to one inner block."""
+    packed_config, inner = VARIANTS[request.param]
+    entries = {}
+    for dtype in ("fp32", "bf16", "fp16"):
+        for dim_class in (1 << i for i in range(9)):
+            for kernel, (kind, _) in configs.KERNELS.items():
+                sizes = ("t16", "t32", "t64") if kind == "packed" else ("multi",)
+                multi = {"BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N": inner, "num_warps": 4, "num_stages": 1}
+                for size in sizes:
+                    entries[configs.table_key(kernel, dtype, dim_class, size)] = (
+                        packed_config if kind == "packed" else multi)
+    arch = device_arch(DEVICE)  # sm_90 under the interpreter
+    if arch not in configs.ARCH_SHARED_MEMORY:
+        pytest.skip(f"no config table section for sm_{arch}")
+    path = tmp_path / "table.py"
+    configs.write_table({"version": configs.TABLE_VERSION, "archs": {configs.arch_name(arch): {
+        "source": request.param, "entries": entries}}}, path)
+    monkeypatch.setenv("NT_KERNELS_TRITON_CONFIGS", str(path))
+    configs.clear_cache()
+    yield packed_config
+    monkeypatch.delenv("NT_KERNELS_TRITON_CONFIGS")
+    configs.clear_cache()
+
+
+def expected_packed_kernels(config, heads, dim, dtype):
+    """The forward / backward packed kernels the launchers run under ``config`` for the 16-row class."""
+    fwd = fwd_spec("fwd_packed", config, dtype, heads, dim, 0, 16).fn
+    bwd = bwd_spec("bwd_packed", config, dtype, heads, dim, 0, 16).fn
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_config_variants_match_reference(variant, dtype):
+    heads, dim = 3, 3
+    fwd, bwd = expected_packed_kernels(variant, heads, dim, dtype)
+    heads_kernel = variant["kernel"] == "heads"
+    assert (fwd, bwd) == ((_fwd_heads_kernel, _bwd_heads_kernel) if heads_kernel else
+                          (_fwd_packed_kernel, _bwd_packed_kernel))
+    rowptr = make_rowptr(BOUNDARY_SIZES)
+    q, k, v = make_qkv(int(rowptr[-1]), heads, dim, dtype, seed=31)
+    grad_o = make_qkv(int(rowptr[-1]), heads, dim, dtype, seed=32)[0]
+    assert_matches_reference(run_exact(q, k, v, rowptr, grad_o), q, k, v, rowptr, grad_o)
+
+
+def test_config_variants_keep_nan_in_its_segment(variant):
+    test_nan_stays_in_its_segment()
+
+
+@pytest.mark.parametrize("threshold", [8, 16, 32, 64])
+def test_exact_threshold_plus_minus_one(threshold):
+    """Only segments of size <= threshold are listed (the exact side of the switch): the
+    threshold, threshold - 1 and threshold + 1 sized segments, with the shipped table's configs."""
+    sizes = [threshold - 1, threshold + 1, threshold, 1, threshold + 1, threshold, 0, 2]
+    rowptr = make_rowptr(sizes)
+    num_rows, scale = int(rowptr[-1]), 0.3
+    segments = torch.tensor([i for i, n in enumerate(sizes) if 0 < n <= threshold], device=DEVICE)
+    q, k, v = make_qkv(num_rows, 2, 8, torch.float32, seed=threshold)
+    grad_o = make_qkv(num_rows, 2, 8, torch.float32, seed=threshold + 1)[0]
+    fwd_into, bwd_into = into_ops()
+    o, dq, dk, dv = (torch.zeros_like(q) for _ in range(4))
+    lse = torch.zeros(num_rows, 2, device=DEVICE)
+    fwd_into(o, lse, q, k, v, rowptr, segments, None, scale)
+    bwd_into(dq, dk, dv, grad_o, q, k, v, o, lse, rowptr, segments, None, scale)
+    starts = rowptr.tolist()
+    listed = torch.zeros(num_rows, dtype=torch.bool)
+    for s in segments.tolist():
+        listed[starts[s]:starts[s + 1]] = True
+    listed = listed.to(DEVICE)
+    exact = reference_grads(q, k, v, rowptr, grad_o, torch.float64, scale)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), exact):
+        assert_close(a[listed], b[listed], msg=name)
+        assert (a[~listed] == 0).all(), f"{name}: segments above the threshold stay untouched"
 
 
 # -------------------------------------------- internal ops (segment subsets)

@@ -1,7 +1,8 @@
 """Helpers shared by the forward and backward Triton kernels.
 
-Host side: the interpreter switch, autotuning configs, persistent grid size,
-dot precision, the bf16 emulation under the interpreter, the packed tile
+Host side: the interpreter switch, launch specs (kernel, keyword arguments,
+warps, stages) and how a packed-tile config picks its kernel, persistent grid
+size, dot precision, the bf16 emulation under the interpreter, the packed tile
 classes a launch runs and the padded head dim.  Device side (``@triton.jit``):
 reading a packed tile's rows from the plan, the matrix product and casts
 (emulated for bf16 under the interpreter), row loads and the non-finite row
@@ -10,19 +11,17 @@ masks that keep a NaN/inf inside its own segment.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from nt_kernels.backends.triton import configs as config_table
 from nt_kernels.backends.triton import plan as plan_layout
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, SM90_SHARED_MEMORY, TILE_HEIGHTS, max_packed_tile
+from nt_kernels.backends.triton.plan import SM90_SHARED_MEMORY, TILE_HEIGHTS, max_packed_tile
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# NT_KERNELS_TRITON_AUTOTUNE=0 pins every kernel to its first config (the one
-# with the least shared memory) instead of autotuning over all of them: a
-# handful of compiles instead of dozens, for time-boxed GPU runs (scripts/gpu_check.sh).
-AUTOTUNE = os.environ.get("NT_KERNELS_TRITON_AUTOTUNE", "1") != "0"
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E_C = tl.constexpr(LOG2E)
@@ -32,17 +31,76 @@ H_MULTI = tl.constexpr(plan_layout.H_MULTI)
 H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
 
 
-def configs(inner_blocks=(32, 64), warps=(4, 8), inner_name="BLOCK_N"):
-    """A small autotuning set; one fixed config under the interpreter or with autotuning off."""
-    if INTERPRET:
-        return [triton.Config({inner_name: PLAN_BLOCK} if inner_name else {}, num_warps=4)]
-    tuned = [
-        triton.Config({inner_name: b} if inner_name else {}, num_warps=w, num_stages=s)
-        for b in (inner_blocks if inner_name else (None,))
-        for w in warps
-        for s in (1, 2)
-    ]
-    return tuned if AUTOTUNE else tuned[:1]
+class Spec(NamedTuple):
+    """One kernel launch as configured: the ``@triton.jit`` function, its keyword
+    arguments besides the tensors and scales (constexprs, and H / D where they are
+    runtime arguments), warps and pipeline stages."""
+    fn: object
+    kwargs: dict
+    num_warps: int
+    num_stages: int
+
+
+def launch(spec: Spec, grid, **tensors) -> None:
+    """Launch ``spec`` on ``grid`` with the given tensor / scale keyword arguments."""
+    spec.fn[grid](**tensors, **spec.kwargs, num_warps=spec.num_warps, num_stages=spec.num_stages)
+
+
+_ARCH: dict = {}  # CUDA device index -> compute capability
+
+
+def device_arch(device: torch.device) -> int:
+    """Compute capability as an int (90 for sm_90; read once per device); 90 off CUDA (the interpreter
+    runs sm_90's configs)."""
+    if device.type != "cuda":
+        return 90
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ARCH:
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCH[index] = 10 * major + minor
+    return _ARCH[index]
+
+
+def meta_args(dtype: torch.dtype, allow_tf32: bool) -> dict:
+    """Constexprs every exact kernel takes: dot precision and the interpreter's bf16 emulation."""
+    return {"DOT_PREC": dot_precision(dtype, allow_tf32), "BF16_EMU": bf16_emulation(dtype)}
+
+
+def packed_spec(head_fn, heads_fn, kernel: str, config: dict, dtype: torch.dtype, heads: int, head_dim: int,
+                cls: int, tile: int, meta: dict) -> Spec:
+    """The launch of packed class ``cls`` (height ``tile``) of ``kernel`` under ``config``.
+
+    ``kernel: heads`` runs ``heads_fn`` (every head of ``TILES`` tiles per work
+    item, packed_heads.py) when one tile's heads fit the config's
+    ``tile_elems`` at this head count; otherwise, and for ``kernel: head``, the
+    per-head kernel ``head_fn`` runs (with :func:`configs.head_kernel_config`
+    when the config was a "heads" one).
+    """
+    dim_class = config_table.head_dim_class(head_dim)
+    tiles = config_table.heads_tiles(config, heads, dim_class, tile) if config["kernel"] == "heads" else 0
+    if tiles:
+        return Spec(heads_fn, dict(meta, H=heads, D=head_dim, CLASS=cls, TILE=tile, TILES=tiles,
+                                   HP=triton.next_power_of_2(heads), DOT=config["dot"],
+                                   DP=config_table.padded_head_dim(dim_class, bool(config["dot"]))),
+                    config["num_warps"], config["num_stages"])
+    head = config if config["kernel"] == "head" else config_table.head_kernel_config(
+        kernel, config_table.dtype_name(dtype), dim_class, tile)
+    return Spec(head_fn, dict(meta, H=heads, D=head_dim, CLASS=cls, TILE=tile, BLOCK_D=block_d(head_dim)),
+                head["num_warps"], head["num_stages"])
+
+
+def choose_spec(kernel: str, make_spec, q: torch.Tensor, tile, grid, tensors: dict) -> Spec:
+    """The spec of ``kernel`` for q's dtype / head dim / device: ``make_spec(config)`` of the
+    config :func:`configs.choose` picks (which, with NT_KERNELS_TRITON_AUTOTUNE=1 on CUDA,
+    times each candidate by launching it with ``tensors`` on ``grid``)."""
+    def time_config(config):
+        from triton.testing import do_bench
+        return do_bench(lambda: launch(make_spec(config), grid, **tensors), warmup=5, rep=20)
+
+    on_gpu = q.device.type == "cuda" and not INTERPRET
+    config = config_table.choose(kernel, q.dtype, q.shape[2], tile, device_arch(q.device), q.shape[1],
+                                 time_config if on_gpu else None)
+    return make_spec(config)
 
 
 def num_programs(device: torch.device, per_sm: int = 32) -> int:

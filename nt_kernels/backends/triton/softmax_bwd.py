@@ -8,12 +8,16 @@ delta_i = sum_j P_ij dP_ij = sum_d dO_i * O_i:
 
 * ``_bwd_packed_kernel``: a packed tile holds whole segments, so one program
   computes all three gradients of its rows and writes them (no atomics,
-  deterministic).
+  deterministic).  One work item is one (tile, head);
+  ``packed_heads._bwd_heads_kernel`` does the same for several tiles and every
+  head per work item (whole-row loads), when the config table says so.
 * Segments longer than a tile take two passes (FA2 style), each writing its
   own rows once, so they are deterministic too:
   ``_bwd_dq_kernel`` per query block (loops over key blocks; also stores delta
   for the second pass) and then ``_bwd_dkdv_kernel`` per key block (loops over
   query blocks).
+
+Every launch's config comes from the config table (configs.py) through :func:`bwd_spec`.
 """
 from __future__ import annotations
 
@@ -21,10 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C,
-                                               bf16_emulation, block_d, cast, configs, dot_precision,
-                                               finite_or_zero, load_rows, mm, nonfinite_rows, num_programs,
-                                               packed_classes, packed_rows, segment_any)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, Spec,
+                                               block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, num_programs, packed_classes,
+                                               packed_rows, packed_spec, segment_any)
+from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
 
 
@@ -35,7 +40,6 @@ def store_rows(ptr, offs, valid, d, D, x, BF16_EMU: tl.constexpr):
              mask=valid[:, None] & (d[None, :] < D))
 
 
-@triton.autotune(configs=configs(inner_name=None), key=["D", "TILE"])
 @triton.jit
 def _bwd_packed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
                        plan, H, D, scale, qk_scale,
@@ -89,7 +93,6 @@ def multi_block(plan, tab, w, H, BLOCK: tl.constexpr):
     return start, n, rows
 
 
-@triton.autotune(configs=configs(), key=["D"])
 @triton.jit
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                    plan, H, D, scale, qk_scale,
@@ -126,7 +129,6 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
         store_rows(dq_ptr, q_offs, q_valid, d, D, dq * scale, BF16_EMU)
 
 
-@triton.autotune(configs=configs(inner_name="BLOCK_M"), key=["D"])
 @triton.jit
 def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                      plan, H, D, scale, qk_scale,
@@ -165,24 +167,45 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         store_rows(dv_ptr, kv_offs, k_valid, d, D, dv, BF16_EMU)
 
 
+def bwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: int = 0, tile: int = 0,
+             allow_tf32: bool = False) -> Spec:
+    """The launch of backward kernel ``kernel`` ("bwd_packed" for class ``cls`` of height
+    ``tile``, "bwd_dq" or "bwd_dkdv") under ``config`` (configs.py)."""
+    meta = meta_args(dtype, allow_tf32)
+    if kernel == "bwd_packed":
+        return packed_spec(_bwd_packed_kernel, _bwd_heads_kernel, kernel, config, dtype, heads, head_dim, cls, tile,
+                           meta)
+    blocks = {"bwd_dq": (_bwd_dq_kernel, dict(BLOCK_M=PLAN_BLOCK, BLOCK_N=config.get("BLOCK_N"))),
+              "bwd_dkdv": (_bwd_dkdv_kernel, dict(BLOCK_M=config.get("BLOCK_M"), BLOCK_N=PLAN_BLOCK))}
+    if kernel not in blocks:
+        raise ValueError(f"bwd_spec: unknown kernel {kernel!r}")
+    fn, sizes = blocks[kernel]
+    return Spec(fn, dict(meta, **sizes, H=heads, D=head_dim, BLOCK_D=block_d(head_dim)),
+                config["num_warps"], config["num_stages"])
+
+
 def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False):
     """Write dq, dk, dv (E, H, D) for the rows named in ``plan``.
 
     ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
     shared_memory_per_block(q.device))`` (the packed classes above it are not
-    launched).
+    launched).  Each kernel runs the config of the table (configs.py) for
+    q's dtype, head dim and device.
     """
     E, H, D = q.shape
     grid = (num_programs(q.device),)
     scale = float(scale)
-    meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
-                BF16_EMU=bf16_emulation(q.dtype))
+    common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, plan=plan, scale=scale,
+                  qk_scale=scale * LOG2E)
+    packed = dict(common, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv)
     for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
-        _bwd_packed_kernel[grid](q, k, v, grad_o, lse, dq, dk, dv, plan, H, D,
-                                       scale, scale * LOG2E, CLASS=c, TILE=tile, **meta)
+        spec = choose_spec("bwd_packed", lambda cfg: bwd_spec("bwd_packed", cfg, q.dtype, H, D, c, tile, allow_tf32),
+                           q, tile, grid, packed)
+        launch(spec, grid, **packed)
     # Multi-tile segments: dQ pass (writes delta), then the dK/dV pass.
     delta = torch.empty((E, H), dtype=torch.float32, device=q.device)
-    _bwd_dq_kernel[grid](q, k, v, o, grad_o, lse, delta, dq, plan, H, D, scale,
-                               scale * LOG2E, BLOCK_M=PLAN_BLOCK, **meta)
-    _bwd_dkdv_kernel[grid](q, k, v, grad_o, lse, delta, dk, dv, plan, H, D, scale,
-                                 scale * LOG2E, BLOCK_N=PLAN_BLOCK, **meta)
+    for kernel, tensors in (("bwd_dq", dict(common, o_ptr=o, delta_ptr=delta, dq_ptr=dq)),
+                            ("bwd_dkdv", dict(common, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv))):
+        spec = choose_spec(kernel, lambda cfg: bwd_spec(kernel, cfg, q.dtype, H, D, allow_tf32=allow_tf32),
+                           q, None, grid, tensors)
+        launch(spec, grid, **tensors)

@@ -7,24 +7,30 @@ the plan (see plan.py), whose lengths live on the device.
 
 * ``_fwd_packed_kernel``: one tile of TILE rows holds whole segments of equal
   size n; scores are masked block-diagonally (``row // n == col // n``) and the
-  softmax is done in one pass since all keys of a row are in the tile.
+  softmax is done in one pass since all keys of a row are in the tile.  One
+  work item is one (tile, head).
+* ``packed_heads._fwd_heads_kernel``: the same packed tiles, several tiles and
+  every head per work item (whole-row loads; the small-segment bandwidth path).
 * ``_fwd_multi_kernel``: one query block of a segment longer than a tile,
   online softmax over the segment's key blocks.
 
-Both store o and the float32 log-sum-exp (natural log, scaled scores).
+All store o and the float32 log-sum-exp (natural log, scaled scores).  Which
+packed kernel runs and every launch's config come from the config table
+(configs.py) through :func:`fwd_spec`.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, block_d,
-                                               bf16_emulation, cast, configs, dot_precision, finite_or_zero,
-                                               load_rows, mm, nonfinite_rows, num_programs, packed_classes,
-                                               packed_rows, segment_any)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, Spec,
+                                               block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, num_programs, packed_classes,
+                                               packed_rows, packed_spec, segment_any)
+from nt_kernels.backends.triton.packed_heads import _fwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
 
-@triton.autotune(configs=configs(inner_name=None), key=["D", "TILE"])
+
 @triton.jit
 def _fwd_packed_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
                        CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -59,7 +65,6 @@ def _fwd_packed_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale
         tl.store(lse_ptr + row * H + h, (m + tl.log2(denom)) * LN2, mask=valid)
 
 
-@triton.autotune(configs=configs(), key=["D"])
 @triton.jit
 def _fwd_multi_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -102,18 +107,35 @@ def _fwd_multi_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
         tl.store(lse_ptr + (start + qi) * H + h, (m_i + tl.log2(l_i)) * LN2, mask=q_valid)
 
 
+def fwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: int = 0, tile: int = 0,
+             allow_tf32: bool = False) -> Spec:
+    """The launch of forward kernel ``kernel`` ("fwd_packed" for class ``cls`` of height ``tile``,
+    or "fwd_multi") under ``config`` (configs.py)."""
+    meta = meta_args(dtype, allow_tf32)
+    if kernel == "fwd_packed":
+        return packed_spec(_fwd_packed_kernel, _fwd_heads_kernel, kernel, config, dtype, heads, head_dim, cls, tile,
+                           meta)
+    if kernel != "fwd_multi":
+        raise ValueError(f"fwd_spec: unknown kernel {kernel!r}")
+    return Spec(_fwd_multi_kernel, dict(meta, H=heads, D=head_dim, BLOCK_M=PLAN_BLOCK, BLOCK_N=config["BLOCK_N"],
+                                        BLOCK_D=block_d(head_dim)), config["num_warps"], config["num_stages"])
+
+
 def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False):
     """Write o (E, H, D) and lse (E, H) float32 for the rows named in ``plan``.
 
     ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
     shared_memory_per_block(q.device))`` (the packed classes above it are not
-    launched).
+    launched).  Each kernel runs the config of the table (configs.py) for
+    q's dtype, head dim and device.
     """
     _, H, D = q.shape
     grid = (num_programs(q.device),)
-    args = (q, k, v, o, lse, plan, H, D, float(scale) * LOG2E)
-    meta = dict(BLOCK_D=block_d(D), DOT_PREC=dot_precision(q.dtype, allow_tf32),
-                BF16_EMU=bf16_emulation(q.dtype))
+    tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, plan=plan, qk_scale=float(scale) * LOG2E)
     for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
-        _fwd_packed_kernel[grid](*args, CLASS=c, TILE=tile, **meta)
-    _fwd_multi_kernel[grid](*args, BLOCK_M=PLAN_BLOCK, **meta)
+        spec = choose_spec("fwd_packed", lambda cfg: fwd_spec("fwd_packed", cfg, q.dtype, H, D, c, tile, allow_tf32),
+                           q, tile, grid, tensors)
+        launch(spec, grid, **tensors)
+    spec = choose_spec("fwd_multi", lambda cfg: fwd_spec("fwd_multi", cfg, q.dtype, H, D, allow_tf32=allow_tf32),
+                       q, None, grid, tensors)
+    launch(spec, grid, **tensors)
