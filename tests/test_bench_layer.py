@@ -103,8 +103,9 @@ def test_presets_are_the_released_ones():
 
 # -------------------------------------------------------------- document
 RESULT_KEYS = {"variant": str, "fused": bool, "status": str, "setup_s": float, "step_ms": float,
-               "step_ms_runs": list, "memory_pass_ms": float, "peak_memory_bytes": int, "baseline_bytes": int,
-               "memory_method": str, "loss_first": float, "loss_last": float}
+               "step_ms_runs": list, "warmup_steps": int, "warmup_ms_runs": list, "memory_pass_ms": float,
+               "peak_memory_bytes": int, "baseline_bytes": int, "memory_method": str, "loss_first": float,
+               "loss_last": float}
 
 
 def test_document_schema(tiny_doc):
@@ -125,6 +126,7 @@ def test_document_schema(tiny_doc):
         for key, kind in RESULT_KEYS.items():
             assert isinstance(entry[key], kind), (key, entry[key])
         assert len(entry["step_ms_runs"]) == 2
+        assert entry["warmup_steps"] == 1 and len(entry["warmup_ms_runs"]) == 1
         assert entry["step_ms"] == pytest.approx(statistics.median(entry["step_ms_runs"]))
         assert entry["fused"] == (entry["variant"] == "fused")
     assert set(doc["load_average"]) == {"start", "end"}
@@ -180,9 +182,38 @@ def test_in_process_run(tmp_path):
     """--in-process: no subprocess, no address-space cap (CPU peak memory is then a lower bound)."""
     doc = _run(tmp_path, *TINY, "--variants", "fused", "--repeats", "1", "--warmup", "0", "--in-process")
     (entry,) = doc["results"]
-    assert entry["status"] == "ok" and len(entry["step_ms_runs"]) == 1
+    assert entry["status"] == "ok" and len(entry["step_ms_runs"]) == 1 and entry["warmup_ms_runs"] == []
     assert doc["settings"]["isolation"] == "in-process" and doc["settings"]["memory_cap_gb"] is None
     assert doc["summary"] == {"fused": "ok", "unfused": "not run"} and "--in-process" in doc["command"]
+
+
+@pytest.mark.parametrize("warmup, repeats", [(0, 1), (2, 3)])
+def test_warmup_and_repeats_are_honoured_on_the_powerlaw_graph(tmp_path, warmup, repeats):
+    """Every step is recorded: ``warmup`` untimed ones, the memory pass, ``repeats`` timed ones; step_ms is
+    the median of the timed ones only."""
+    doc = _run(tmp_path, *TINY, "--variants", "fused", "--repeats", str(repeats), "--warmup", str(warmup),
+               "--in-process")
+    (entry,) = doc["results"]
+    assert (doc["settings"]["warmup"], doc["settings"]["repeats"]) == (warmup, repeats)
+    assert entry["status"] == "ok" and entry["warmup_steps"] == warmup
+    assert len(entry["warmup_ms_runs"]) == warmup and len(entry["step_ms_runs"]) == repeats
+    assert entry["step_ms"] == pytest.approx(statistics.median(entry["step_ms_runs"]))
+    assert f"--warmup {warmup}" in doc["command"] and f"--repeats {repeats}" in doc["command"]
+
+
+def test_a_stopped_worker_reports_the_steps_it_finished():
+    """The worker saves its entry after every step; on a timeout the parent reports those steps."""
+    saved = {"variant": "fused", "fused": True, "graph": {"name": "powerlaw"}, "setup_s": 1.5, "warmup_steps": 2,
+             "warmup_ms_runs": [31000.0, 900.0], "memory_pass_ms": 850.0, "peak_memory_bytes": 10,
+             "baseline_bytes": 5, "memory_method": "m", "step_ms_runs": [800.0, 820.0, 790.0]}
+    stopped = {"variant": "fused", "fused": True, "status": "timeout: > 95 s"}
+    entry = layer.partial_result(stopped, saved)
+    assert entry["status"] == "timeout: > 95 s" and entry["step_ms"] == 800.0
+    assert entry["warmup_ms_runs"] == [31000.0, 900.0] and entry["graph"] == {"name": "powerlaw"}
+    assert entry["detail"] == "stopped after 2 of 2 warm-up steps, the memory pass and 3 timed steps"
+    early = layer.partial_result(stopped, {**saved, "warmup_ms_runs": [31000.0], "step_ms_runs": []})
+    assert "step_ms" not in early and early["detail"].startswith("stopped after 1 of 2 warm-up steps")
+    assert layer.summarize([entry]) == {"fused": "timeout: > 95 s", "unfused": "not run"}
 
 
 def test_dry_run_cuts_a_real_graph_and_names_the_file(tmp_path):

@@ -2,8 +2,9 @@
 
 ``fused=False`` is the composition of nt_kernels ops (the comparison point);
 both must agree in float64 for the output and every parameter and input
-gradient.  ``fused=None`` (the default) must pick the fused op on CPU, and
-``fused=True`` where no kernel exists must fail loudly.
+gradient.  ``fused=None`` (the default) must pick the path measured faster per
+device type (the fused op on CPU, the composition on CUDA), ``fused=True`` must
+run the fused op wherever a kernel exists and fail loudly where none does.
 """
 import inspect
 import math
@@ -14,7 +15,9 @@ import torch
 import nt_reference.nn as ref
 from helpers import assert_close
 from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.backends import has_fused_kernel
 from nt_kernels.nn import NT, DirNT, NTConv
+from nt_kernels.nn.conv import FUSED_FASTER, fused_by_default
 
 IN, OUT, HEADS, EDGE_DIM, NB_FEATURES = 6, 8, 2, 3, 4  # D = 4, n* = 4 + sqrt(32) ~ 9.66
 
@@ -183,6 +186,26 @@ def test_fused_none_picks_the_fused_op_on_cpu():
     assert not ran_fused_op(lambda: NTConv(IN, OUT, heads=HEADS, fused=False)(x, edge_index))
     model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, directed=True)
     assert ran_fused_op(lambda: model(x, edge_index))
+
+
+def test_fused_default_rule_per_device_type():
+    """The rule of docs/nn.md ("Fused layer"): fused=None runs the path measured faster on the device
+    type: the fused op on CPU, the composition on CUDA (asked of the rule, no GPU needed) and on device
+    types without a measurement; fused=True still runs the fused op on CUDA where its kernel exists."""
+    assert FUSED_FASTER == {"cpu": True, "cuda": False}
+    assert has_fused_kernel("cpu") and fused_by_default("cpu") is True
+    assert fused_by_default("cuda") is False
+    assert fused_by_default("meta") is False and fused_by_default("xpu") is False
+    default = NTConv(IN, OUT, heads=HEADS, nb_features=NB_FEATURES)
+    assert default.uses_fused(torch.device("cpu")) and not default.uses_fused(torch.device("cuda"))
+    model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, directed=True)
+    assert not any(conv.uses_fused(torch.device("cuda")) for conv in model.modules() if isinstance(conv, NTConv))
+    forced = NTConv(IN, OUT, heads=HEADS, nb_features=NB_FEATURES, fused=True)
+    if has_fused_kernel("cuda"):  # registered when triton imports (nt_kernels.backends.register_backends)
+        assert forced.uses_fused(torch.device("cuda"))
+    else:
+        with pytest.raises(ValueError, match="fused=True"):
+            forced.uses_fused(torch.device("cuda"))
 
 
 def test_fused_true_without_a_kernel_is_an_error():

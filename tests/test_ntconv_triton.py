@@ -20,6 +20,7 @@ import torch
 import nt_kernels as nk
 from helpers import assert_close, assert_within_twice_torch_error
 from nt_kernels import NeighbourhoodCSR
+from nt_kernels.csr import reversed_csr
 from nt_kernels.nn.aggregate import receiver_csr
 from nt_reference.dropout import counter_dropout_mask, drop_threshold, seed_key
 from nt_reference.nn import ntconv_messages
@@ -139,6 +140,17 @@ def assert_float32_matches(case, chunk_rows=CHUNK_ROWS, **kw):
     return out, grads
 
 
+def assert_matches_reference_and_cpu_op(case, result, **kw):
+    """``result`` (run_triton's): output and every gradient against the float64 definition, and
+    everything against the CPU op where it is built (assert_matches_cpu_op)."""
+    want, want_grads = reference(case, **kw)
+    assert_close(result[0].cpu(), want, "output")
+    for name, grad in result[3].items():
+        assert_close(grad.cpu(), want_grads[name], f"gradient of {name}")
+    if HAS_CPU_OP:
+        assert_matches_cpu_op(case, result, **kw)
+
+
 # ------------------------------------------------------------------ the plan
 def test_plan_chunks_partition_rows_and_group_receivers():
     edge_index, n = make_graph(seed=3)
@@ -168,16 +180,65 @@ def test_plan_chunks_partition_rows_and_group_receivers():
             assert sorted(set(starts)) == [local_rowptr[s] for s in non_empty]
         perf = [] if chunk.performer is None else chunk.performer.tolist()
         assert perf == sorted(s - chunk.seg0 for s in segs if s in perf_set)
-        # receiver groups: every row of the chunk once, one receiver per group, rows in order
-        groups = host.groups[3 * chunk.group0: 3 * (chunk.group0 + chunk.num_groups)].view(-1, 3).tolist()
-        rrow = chunk.rrow.tolist()
-        seen = []
-        for recv, first, end in groups:
-            rows = rrow[first:end]
-            assert rows == sorted(rows) and all(receiver[chunk.row0 + r] == recv for r in rows)
+        assert_reduction_lists(chunk, receiver, rowptr, host.piece_rows)
+
+
+def _items(red):
+    """(slot rows, dest, first, end) of every work item of a reduction list, class by class."""
+    out = []
+    for slot_rows, item0, num in red.classes():
+        out += [(slot_rows, *t) for t in red.items[3 * item0:3 * (item0 + num)].view(-1, 3).tolist()]
+    return out
+
+
+def assert_reduction_lists(chunk, receiver, rowptr, piece_rows):
+    """Both reduction lists of a chunk: every row once, grouped by receiver (through rrow) / by
+    segment, rows in order, items of at most piece_rows rows in their size class, whole groups
+    with their destination and split groups as consecutive scratch slots, pieces in row order."""
+    rrow = chunk.rrow.tolist()
+    lists = [(chunk.receivers, lambda pos: rrow[pos], lambda r: receiver[chunk.row0 + r]),
+             (chunk.segments, lambda pos: pos,
+              lambda r: next(s for s in range(chunk.seg0, chunk.seg1) if rowptr[s + 1] > chunk.row0 + r) - chunk.seg0)]
+    for red, row_of, dest_of in lists:
+        groups, slots, seen = {}, {}, []
+        for slot_rows, dest, first, end in _items(red):
+            rows = [row_of(pos) for pos in range(first, end)]
+            assert 0 < end - first <= min(slot_rows, piece_rows) and (slot_rows == 1 or end - first > slot_rows // 2)
+            assert rows == sorted(rows) and len({dest_of(r) for r in rows}) == 1
+            if dest >= 0:
+                assert dest == dest_of(rows[0]) and dest not in groups, "a whole group: one item"
+                groups[dest] = None
+            else:
+                slots[-1 - dest] = (first, rows)
             seen += rows
-        assert sorted(seen) == list(range(chunk.rows))
-        assert len({g[0] for g in groups}) == len(groups), "one group per receiver and chunk"
+        assert sorted(seen) == list(range(chunk.rows)), "every row of the chunk once"
+        splits = red.splits[3 * red.split0:3 * (red.split0 + red.num_split)].view(-1, 3).tolist()
+        assert sorted(s for _, s0, s1 in splits for s in range(s0, s1)) == list(range(red.slots)) == sorted(slots)
+        for dest, s0, s1 in splits:
+            assert s1 - s0 >= 2 and dest not in groups
+            groups[dest] = None
+            pieces = [slots[s] for s in range(s0, s1)]
+            assert [f for f, _ in pieces] == sorted(f for f, _ in pieces), "slots in row order"
+            assert {dest_of(r) for _, rows in pieces for r in rows} == {dest}
+            assert all(len(rows) == piece_rows for _, rows in pieces[:-1])
+
+
+@pytest.mark.parametrize("piece_rows", [1, 2, 4, 64], ids=["P1", "P2", "P4", "P64"])
+def test_plan_reduction_lists_split_groups_into_pieces(piece_rows):
+    """Groups of 0, 1 and many rows, a 40-row neighbourhood and receivers spanning chunks, with
+    pieces of P rows: items, size classes and split groups of both lists."""
+    edge_index, n = make_graph([40, 1, 0, 3, 9, 2, 17], receivers=4, seed=6)
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
+    exact, performer = csr.segment_split(THRESHOLD)
+    plan = build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, n, 16, 64, piece_rows=piece_rows)
+    host = read_plan("test", plan, num_rows=csr.num_edges, num_segments=n, num_out=n, chunk_rows=16, max_tile=64,
+                     num_exact=exact.numel(), num_performer=performer.numel(), num_nodes=n)
+    assert host.piece_rows == piece_rows and len(host.chunks) >= 3
+    receiver, rowptr = csr.receiver.tolist(), csr.rowptr.tolist()
+    for chunk in host.chunks:
+        assert_reduction_lists(chunk, receiver, rowptr, piece_rows)
+    splits = sum(chunk.receivers.num_split + chunk.segments.num_split for chunk in host.chunks)
+    assert (splits > 0) == (piece_rows < 40)
 
 
 def test_plan_of_another_layer_or_graph_is_rejected():
@@ -201,6 +262,178 @@ def test_plan_build_checks_segment_ids_and_receivers():
         build_ntconv_plan(csr.rowptr, csr.receiver, none, ids + 1, len(SIZES), 8, 64)
     with pytest.raises(ValueError, match="receiver"):
         build_ntconv_plan(csr.rowptr, csr.receiver, ids, none, 5, 8, 64)
+
+
+# --------------------------------------- segmented reductions (ntconv_reduce.py)
+# Segments of 40 (alone in its chunk), 17, 9, 3, 2, 1 and 0 rows into 4 receivers, chunks of 16 rows:
+# receivers span chunks, and with small pieces both lists have split groups.
+REDUCE_SIZES = [40, 1, 0, 3, 9, 2, 17]
+REDUCE_CASES = [pytest.param("receiver", mode, id=f"receiver-{name}")
+                for mode, name in enumerate(("sum", "gated", "softmax", "max"))]
+REDUCE_CASES += [pytest.param("segment", 0, id="segment-sum"), pytest.param("segment", 4, id="segment-lse")]
+
+
+def _reduce_plan(piece_rows):
+    edge_index, n = make_graph(REDUCE_SIZES, receivers=4, seed=6)
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, n).to(DEVICE)
+    exact, performer = csr.segment_split(THRESHOLD)
+    plan = build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, n, 16, 64, piece_rows=piece_rows)
+    return csr, read_plan("test", plan, num_rows=csr.num_edges, num_segments=n, num_out=n, chunk_rows=16,
+                          max_tile=64, num_exact=exact.numel(), num_performer=performer.numel(), num_nodes=n)
+
+
+def _reduce_inputs(e, heads, dim, mode, seed=0):
+    """x (E, W) in packed order from a few values (max: many ties, channel 0 all negative where GELU
+    is not monotonic, one NaN) and the gates (E, H)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * heads * dim if mode in (1, 2) else heads * dim
+    x = torch.randint(-4, 5, (e, width), generator=gen).double() / 2
+    if mode == 3:
+        x[:, 0] = -x[:, 0].abs() - 0.5
+        x[5, 1] = float("nan")
+    else:
+        x += torch.randn(e, width, generator=gen, dtype=torch.float64) / 8
+    return x, torch.randn(e, heads, generator=gen, dtype=torch.float64)
+
+
+def _run_reduce(csr, host, by, mode, x, gate, heads):
+    """Every chunk's reduction list merged into a fresh State (x and the gates float32 on DEVICE)."""
+    from nt_kernels.backends.triton.ntconv_reduce import AGG_LSE, State, reduce
+
+    n = csr.num_nodes
+    channels = x.shape[1] // 2 if mode in (1, 2) else x.shape[1]
+    state = State.empty(n, channels, mode, torch.empty(0, device=DEVICE))
+    x32, gate32 = x.float().to(DEVICE), gate.float().to(DEVICE)
+    for chunk in host.chunks:
+        rows = slice(chunk.row0, chunk.row1)
+        if by == "receiver":
+            reduce(state, x32[rows].contiguous(), chunk.receivers, channels=channels, heads=heads, row=x.shape[1],
+                   mode=mode, rrow=chunk.rrow, gate=gate32[rows].contiguous(), apply_gelu=True)
+        else:  # chunk-local segments: the state's rows from seg0 on
+            local = State(state.acc[chunk.seg0:], state.run_max[chunk.seg0:], state.run_sum[chunk.seg0:])
+            reduce(local, x32[rows].contiguous(), chunk.segments, channels=channels,
+                   heads=channels if mode == AGG_LSE else heads, row=x.shape[1], mode=mode)
+    return state
+
+
+def _amax(dest, values, n):
+    """Per destination (n rows) the largest of ``values`` (E, W); -inf where none."""
+    out = torch.full((n, values.shape[1]), float("-inf"), dtype=values.dtype)
+    return out.scatter_reduce_(0, dest[:, None].expand_as(values), values, "amax")
+
+
+def _expected_reduce(dest, n, mode, x, gate, heads):
+    """float64 truth per destination (messages GELU(x)): (acc, M, L) or (peak, tie key, tie count)."""
+    gelu = torch.nn.functional.gelu
+    if mode == 4:  # log-sum-exp of x itself per (segment, channel)
+        m = _amax(dest, x, n)
+        return m, torch.zeros_like(m).index_add_(0, dest, torch.exp(x - m[dest]))
+    if mode == 3:
+        m = gelu(x)
+        peak = _amax(dest, torch.nan_to_num(m, nan=-9.0), n)
+        at = m == peak[dest]
+        key = _amax(dest, torch.where(at, x, -9.0), n)
+        ties = torch.zeros_like(peak).index_add_(0, dest, (at & (x == key[dest])).double())
+        nan = torch.zeros_like(peak).index_add_(0, dest, torch.isnan(x).double()) > 0
+        return torch.where(nan, float("nan"), peak), key, ties
+    if mode == 0:
+        return (torch.zeros(n, x.shape[1], dtype=torch.float64).index_add_(0, dest, gelu(x)),)
+    c = x.shape[1] // 2
+    value = gelu(x.view(-1, heads, 2, c // heads)[:, :, 1])  # the value halves (E, H, D)
+    if mode == 1:
+        return (torch.zeros(n, heads, c // heads, dtype=torch.float64).index_add_(
+            0, dest, gate[:, :, None] * value).view(n, c),)
+    m = _amax(dest, gate, n)
+    p = torch.exp(gate - m[dest])
+    acc = torch.zeros(n, heads, c // heads, dtype=torch.float64).index_add_(0, dest, p[:, :, None] * value)
+    per_channel = (m, torch.zeros_like(m).index_add_(0, dest, p))  # M and L per head, kept per channel
+    return acc.view(n, c), *(t.repeat_interleave(c // heads, 1) for t in per_channel)
+
+
+@pytest.mark.parametrize("heads, dim, piece_rows", [(2, 3, 1), (2, 3, 3), (2, 3, 64), (3, 100, 3), (3, 100, 64)],
+                         ids=["C6-P1", "C6-P3", "C6-P64", "C300-P3", "C300-P64"])
+@pytest.mark.parametrize("by, mode", REDUCE_CASES)
+def test_reduce_kernels_against_float64(by, mode, heads, dim, piece_rows):
+    """The item and merge kernels alone, every mode the op uses, by receiver (gathered through rrow,
+    GELU applied) and by segment (direct): groups of 0, 1 and many rows, pieces of 1, 3 (a class that
+    is not a power of two) or 64 rows, receivers spanning chunks; C = 300: two channel blocks (a head
+    across their boundary) and slots of 32 and 64 rows reduced in 2 and 4 steps of 16 rows.  Against
+    float64 index reductions (max: the peak, the tie key on the pre-activations and the tie count
+    exactly, a NaN kept in its receiver), and bitwise equal on a rerun."""
+    csr, host = _reduce_plan(piece_rows)
+    x, gate = _reduce_inputs(csr.num_edges, heads, dim, mode)
+    if by == "receiver":
+        dest = csr.receiver.cpu()
+    else:
+        dest = torch.repeat_interleave(torch.arange(csr.num_nodes), torch.diff(csr.rowptr.cpu()))
+        x = x[:, :heads] if mode == 4 else x  # the centre softmax runs on the (E, H) gates
+    state = _run_reduce(csr, host, by, mode, x, gate, heads)
+    n = csr.num_nodes
+    if mode == 0 and by == "segment":
+        want = (torch.zeros(n, x.shape[1], dtype=torch.float64).index_add_(0, dest, x),)
+    else:
+        want = _expected_reduce(dest, n, mode, x, gate, heads)
+    if mode == 3:
+        got = (state.acc, state.count[1], state.count[0])
+        assert (want[2] > 1).any(), "the inputs must produce ties"
+    elif mode == 4:
+        got = (state.run_max, state.run_sum)
+    else:
+        got = (state.acc, state.run_max, state.run_sum)[:len(want)]
+    received = (torch.bincount(dest, minlength=n) > 0)[:, None]
+    nan = torch.isnan(want[0])
+    assert torch.equal(torch.isnan(got[0].cpu()), nan), "NaN exactly where a message is NaN"
+    for name, g, w in zip(("acc or peak", "max or key", "sum or ties"), got, want):
+        keep = (received & ~nan).expand_as(w) if w.shape == nan.shape else received.expand_as(w)
+        g = g.cpu()
+        assert_close(g[keep], w[keep], name)
+        if mode == 3 and name != "acc or peak":  # keys and counts exactly
+            assert torch.equal(g[keep].double(), w[keep]), name
+    again = _run_reduce(csr, host, by, mode, x, gate, heads)
+    for a, b in ((state.acc, again.acc), (state.run_max, again.run_max), (state.run_sum, again.run_sum),
+                 (state.count, again.count)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+def piece_plan(case, piece_rows, *, threshold=THRESHOLD, chunk_rows=CHUNK_ROWS):
+    """The op's plan for ``case`` built with pieces of ``piece_rows`` rows (passed as exact_plan)."""
+    from nt_kernels.backends.triton.ntconv_plan import default_chunk_rows
+    from nt_kernels.backends.triton.plan import max_packed_tile, shared_memory_per_block
+
+    csr, c = case.csr.to(DEVICE), case.tensors["centre"].shape[1]
+    exact, performer = csr.segment_split(math.inf if threshold is None else threshold)
+    max_tile = max_packed_tile(torch.float32, c // case.heads, shared_memory_per_block(DEVICE))
+    rows = default_chunk_rows(c) if HAS_CUDA else chunk_rows
+    return build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, case.rcsr.rowptr.numel() - 1, rows,
+                             max_tile, perm=csr.perm, piece_rows=piece_rows)
+
+
+@pytest.mark.parametrize("aggr, gate_group", AGGRS)
+def test_pieces_of_two_rows_match_reference_cpu_op_and_rerun_bitwise(aggr, gate_group):
+    """Every group above two rows split into pieces (merge kernel in every mode, receivers and
+    segments spanning pieces and chunks): output and all eight gradients against the float64
+    definition and the CPU op; bitwise equal on a rerun."""
+    case = Case(*make_graph(), aggr)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=7)
+    plan = piece_plan(case, 2)
+    result = run_triton(case, plan=plan, **kw)
+    assert_matches_reference_and_cpu_op(case, result, **kw)
+    again = run_triton(case, plan=plan, **kw)
+    assert torch.equal(result[0], again[0]) and all(torch.equal(result[3][n], again[3][n]) for n in result[3])
+
+
+@pytest.mark.parametrize("aggr, gate_group", [AGGRS[2], AGGRS[3], AGGRS[4]])
+def test_receiver_groups_above_the_piece_size(aggr, gate_group):
+    """The default plan (pieces of 64 rows) on a graph whose two receivers get about 75 rows each from
+    a 150-row neighbourhood in one chunk, and an 80-row neighbourhood: items of every size class,
+    split receiver and segment groups, against the float64 definition."""
+    case = Case(*make_graph([150, 3, 1, 0, 80], receivers=2, seed=3), aggr, edge_attr=False)
+    p = ntconv_op.problem("test", dict(zip(ntconv_op.ARG_NAMES, op_args(
+        case, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.0, seed=0, dtype=torch.float32)),
+        chunk_rows=64))
+    assert p.plan.piece_rows == 64 and any(chunk.receivers.num_split for chunk in p.plan.chunks)
+    assert_float32_matches(case, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.1, seed=2,
+                           chunk_rows=64)
 
 
 # ------------------------------------------------------- float32 vs float64
@@ -239,6 +472,25 @@ def test_max_ties_split_the_gradient():
     case = Case(*make_graph(seed=4), "max")
     case.tensors["w_out"][::2] = 0.0
     assert_float32_matches(case, aggr="max", gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=0)
+
+
+@pytest.mark.skipif(not HAS_CPU_OP, reason="the nt_kernels::ntconv_fwd schema and CPU kernel are not built yet")
+@pytest.mark.parametrize("repeats, heads, dim", [(2, 1, 3), (3, 3, 3), (2, 2, 5)],
+                         ids=["twice-C3", "thrice-C9", "twice-C10"])
+def test_max_ties_at_several_layouts_match_the_cpu_op_and_reference(repeats, heads, dim):
+    """Every edge repeated (identical messages at one receiver, at rows far apart) and half of
+    W_out's rows zero: ties decided on the pre-activations (docs/design.md, "Max ties") give the
+    reference's output and gradients, and the CPU op's tie counts and keys (tests/test_isa.py
+    runs the same layouts through the composition and the reference)."""
+    edge_index, n = make_graph(sizes=[3, 1, 4, 2, 7, 0, 2], receivers=5, seed=repeats)
+    edge_index = edge_index.repeat(1, repeats)[:, torch.randperm(edge_index.shape[1] * repeats,
+                                                                 generator=torch.Generator().manual_seed(0))]
+    case = Case(edge_index, n, "max", heads=heads, dim=dim)
+    case.tensors["w_out"][::2] = 0.0
+    kw = dict(aggr="max", gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=0)
+    result = run_triton(case, **kw)
+    assert (result[2][0] > 1).any(), "the layout must produce ties"
+    assert_matches_reference_and_cpu_op(case, result, **kw)
 
 
 def test_input_mask_skips_input_gradients():
@@ -335,7 +587,7 @@ def test_half_precision_error_at_most_twice_pytorchs(aggr, gate_group, dtype, th
     run in ``dtype`` (autograd of nt_reference.nn.ntconv_messages), plus the floor of
     tests/helpers.py.  The graph
     is three times the small one: on ~40 messages one neighbourhood's rounding luck decides a
-    max error (docs/kernels.md, "Fused NT layer", tests)."""
+    max error (docs/kernels-ntconv-cuda.md, "Tests without a GPU")."""
     case = Case(*make_graph(SIZES * 3, receivers=24), aggr)
     case.tensors = {n: None if t is None else t.to(dtype).double() for n, t in case.tensors.items()}
     case.projection = case.projection.to(dtype).double()
@@ -433,27 +685,169 @@ def test_registered_as_the_cuda_kernel_of_the_op():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"nt_kernels::{name}", "CUDA"), name
 
 
-@pytest.mark.skipif(not HAS_CPU_OP, reason="the nt_kernels::ntconv_fwd schema and CPU kernel are not built yet")
-@pytest.mark.parametrize("aggr, gate_group", [AGGRS[2], AGGRS[3], AGGRS[4]])
-def test_matches_the_cpu_fused_op(aggr, gate_group):
-    """Same inputs, same seed: the CPU C++ op and the Triton implementation agree (float32), saved
-    state included (the exact rows' lse, the per-receiver statistics)."""
-    case = Case(*make_graph(), aggr)
-    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=2 ** 40 + 3)
-    out, lse, stats, grads = run_triton(case, **kw)
+def assert_matches_cpu_op(case, triton_result, **kw):
+    """The CPU C++ op on the same float32 inputs and seed: output, saved state (the exact rows' lse,
+    the per-receiver statistics) and every gradient of ``triton_result`` (run_triton's) agree."""
+    out, lse, stats, grads = triton_result
     args = op_args(case, dtype=torch.float32, **kw)
     args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
     cpu_out, cpu_lse, cpu_stats = torch.ops.nt_kernels.ntconv_fwd(*args)
-    cpu_grads = torch.ops.nt_kernels.ntconv_bwd(case.grad_out.float(), cpu_out, cpu_lse, cpu_stats, *args,
-                                                [True, True, True])
+    cpu_grads = dict(zip(GRAD_NAMES, torch.ops.nt_kernels.ntconv_bwd(
+        case.grad_out.float(), cpu_out, cpu_lse, cpu_stats, *args, [True, True, True])))
     exact_rows = torch.zeros(case.csr.num_edges, dtype=torch.bool)
-    for s in case.csr.segment_split(THRESHOLD)[0].tolist():
+    threshold = math.inf if kw["threshold"] is None else kw["threshold"]
+    for s in case.csr.segment_split(threshold)[0].tolist():
         exact_rows[case.csr.rowptr[s]:case.csr.rowptr[s + 1]] = True
     assert_close(lse.cpu()[exact_rows], cpu_lse[exact_rows].double(), "lse")
     assert_close(stats.cpu(), cpu_stats.double(), "stats")
     assert_close(out.cpu(), cpu_out.double(), "output")
-    for name, grad in zip(GRAD_NAMES, cpu_grads):
-        assert_close(grads[name].cpu(), grad.double(), f"gradient of {name}")
+    for name, grad in grads.items():
+        assert_close(grad.cpu(), cpu_grads[name].double(), f"gradient of {name}")
+
+
+needs_cpu_op = pytest.mark.skipif(not HAS_CPU_OP, reason="the nt_kernels::ntconv_fwd schema and CPU kernel are not "
+                                                         "built yet")
+@needs_cpu_op
+@pytest.mark.parametrize("aggr, gate_group", AGGRS)
+def test_matches_the_cpu_fused_op(aggr, gate_group):
+    """Same inputs, same seed: the CPU C++ op and the Triton implementation agree (float32)."""
+    case = Case(*make_graph(), aggr)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=2 ** 40 + 3)
+    assert_matches_cpu_op(case, run_triton(case, **kw), **kw)
+
+
+# ------------------------------------------- weight gradients: split-K over row blocks
+WGRAD_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),
+                pytest.param(torch.float16, id="fp16")]
+WGRAD_USES = [pytest.param("w_qkv", id="qkv-three-parts-bias"), pytest.param("w_out", id="out-fp32-A-bias"),
+              pytest.param("w_edge", id="edge-gathered-B")]
+
+
+def _weight_grad_case(use, dtype, rows, seed=0):
+    """Operands of one weight gradient as the op passes them (ntconv_op._input_grads / _backward_chunk),
+    with C = 12, and the float64 truth of dW and db from the operands rounded to ``dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    c, f, row0 = 12, 5, 3
+
+    def rand(*shape, to=dtype):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(to)
+    if use == "w_qkv":  # A = dqkv (3, R, C) in the parameters' dtype, B = z (R, C)
+        a, b, m, n = rand(3, rows, c), rand(rows, c), 3 * c, c
+        kw = dict(a_split=c, a_part=rows * c, a_row=c, b_row=c)
+        a_rows, b_rows = a.permute(1, 0, 2).reshape(rows, m), b
+    elif use == "w_out":  # A = dy (R, 2C) fp32, B = o (R, C)
+        a, b, m, n = rand(rows, 2 * c, to=torch.float32), rand(rows, c), 2 * c, c
+        kw = dict(a_split=m, a_part=0, a_row=m, b_row=c)
+        a_rows, b_rows = a, b
+    else:  # A = du (R, C) fp32, B = edge_attr (fp32 under autocast) gathered through perm[row0 + r]
+        index = torch.randperm(rows + row0 + 4, generator=gen)
+        a, b, m, n = rand(rows, c, to=torch.float32), rand(rows + row0 + 4, f, to=torch.float32), c, f
+        kw = dict(a_split=c, a_part=0, a_row=c, b_row=f, index=index.to(DEVICE), row0=row0)
+        a_rows, b_rows = a, b[index[row0:row0 + rows]]
+    a64, b64 = a_rows.to(dtype).double(), b_rows.to(dtype).double()
+    w0, b0 = rand(m, n, to=torch.float32), rand(m, to=torch.float32)  # the running sums the call adds to
+    truth = (w0.double() + a64.t() @ b64, b0.double() + a64.sum(0) if use != "w_edge" else None)
+    return dict(a=a.to(DEVICE), b=b.to(DEVICE), rows=rows, m=m, n=n, **kw), w0, b0, truth
+
+
+def _run_weight_grad(args, w0, b0, use, dtype):
+    from nt_kernels.backends.triton.common import bf16_emulation
+    from nt_kernels.backends.triton.ntconv_wgrad import weight_grad
+
+    w_acc, b_acc = w0.clone().to(DEVICE), b0.clone().to(DEVICE) if use != "w_edge" else None
+    weight_grad(w_acc, b_acc, dtype=dtype, dot_prec="ieee", bf16_emu=bf16_emulation(dtype), **args)
+    return w_acc.cpu(), None if b_acc is None else b_acc.cpu()
+
+
+@pytest.mark.parametrize("dtype", WGRAD_DTYPES)
+@pytest.mark.parametrize("use", WGRAD_USES)
+def test_weight_grad_kernel_over_several_row_blocks(use, dtype):
+    """dW += Aᵀ B and db += Σ A over 300 rows = 5 split-K blocks of 64 (the last one ragged): tensor-core
+    products of the operands rounded to the parameters' dtype (exact there) with fp32 sums, against the
+    float64 truth of the rounded operands within the float32 tolerance; bitwise equal on a rerun."""
+    from nt_kernels.backends.triton.ntconv_plan import weight_grad_tiles
+
+    args, w0, b0, (want_w, want_b) = _weight_grad_case(use, dtype, rows=300)
+    assert weight_grad_tiles(300, args["m"], args["n"]).splits == 5
+    got_w, got_b = _run_weight_grad(args, w0, b0, use, dtype)
+    assert_close(got_w, want_w, "dW")
+    if want_b is not None:
+        assert_close(got_b, want_b, "db")
+    again_w, again_b = _run_weight_grad(args, w0, b0, use, dtype)
+    assert torch.equal(got_w, again_w) and (got_b is None or torch.equal(got_b, again_b))
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65], ids=["one-row", "one-full-block", "block-plus-one"])
+def test_weight_grad_kernel_block_boundaries(rows):
+    args, w0, b0, (want_w, want_b) = _weight_grad_case("w_qkv", torch.float32, rows=rows, seed=rows)
+    got_w, got_b = _run_weight_grad(args, w0, b0, "w_qkv", torch.float32)
+    assert_close(got_w, want_w, "dW")
+    assert_close(got_b, want_b, "db")
+
+
+# A 300-row and a 40-row neighbourhood above THRESHOLD (Performer), small exact ones, an empty one.
+HUB_SIZES = [300, 3, 1, 8, 0, 5, 2, 40, 1]
+HUB_CHUNK_ROWS = 64  # the 300-row hub alone in its chunk: 5 split-K blocks of its weight gradients
+
+
+def _hub_case(aggr, dtype=torch.float64):
+    case = Case(*make_graph(HUB_SIZES, receivers=9, seed=9), aggr)
+    case.tensors = {n: None if t is None else t.to(dtype).double() for n, t in case.tensors.items()}
+    case.projection = case.projection.to(dtype).double()
+    return case
+
+
+def test_hub_chunk_spans_several_weight_gradient_blocks():
+    from nt_kernels.backends.triton.ntconv_plan import weight_grad_tiles
+
+    case = _hub_case("sum")
+    args = op_args(case, aggr="sum", gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=0,
+                   dtype=torch.float32)
+    p = ntconv_op.problem("test", dict(zip(ntconv_op.ARG_NAMES, args), chunk_rows=HUB_CHUNK_ROWS))
+    hub = max(p.plan.chunks, key=lambda chunk: chunk.rows)
+    assert hub.rows == 300 and hub.performer is not None
+    assert weight_grad_tiles(hub.rows, 3 * HEADS * DIM, HEADS * DIM).splits == 5
+
+
+@pytest.mark.parametrize("aggr, gate_group", AGGRS)
+def test_performer_hub_matches_reference_cpu_op_and_reruns_bitwise(aggr, gate_group):
+    """Hub neighbourhoods on the Performer path, edge features, dropout: float32 output and all eight
+    gradients against the float64 definition and the CPU op; weight gradients bitwise equal on a rerun."""
+    case = _hub_case(aggr)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2, seed=4)
+    result = run_triton(case, chunk_rows=HUB_CHUNK_ROWS, **kw)
+    assert_matches_reference_and_cpu_op(case, result, **kw)
+    again = run_triton(case, chunk_rows=HUB_CHUNK_ROWS, **kw)[3]
+    for name in ("w_edge", "w_qkv", "b_qkv", "w_out", "b_out"):
+        assert torch.equal(result[3][name], again[name]), name
+
+
+@pytest.mark.parametrize("aggr, gate_group", [AGGRS[4], AGGRS[5]])
+def test_performer_hub_bf16_error_at_most_twice_pytorchs(aggr, gate_group):
+    """bfloat16 throughout (weight gradients from bf16 operands on the tensor-core path): the 2x rule."""
+    case = _hub_case(aggr, torch.bfloat16)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2, seed=4)
+    out, _, _, grads = run_triton(case, dtype=torch.bfloat16, chunk_rows=HUB_CHUNK_ROWS, **kw)
+    truth, truth_grads = reference(case, **kw)
+    torch_out, torch_grads = reference(case, dtype=torch.bfloat16, **kw)
+    assert_within_twice_torch_error(out.cpu(), torch_out, truth, "output")
+    for name, grad in grads.items():
+        assert_within_twice_torch_error(grad.cpu(), torch_grads[name], truth_grads[name], f"gradient of {name}")
+
+
+@pytest.mark.parametrize("aggr, gate_group", [AGGRS[3], AGGRS[5]])
+def test_dirnt_reversed_graph(aggr, gate_group):
+    """DirNT's second conv: the reversed CSR (nt_kernels.csr.reversed_csr), whose perm indexes the
+    original edge order, so edge_attr is gathered through a non-trivial perm; against the float64
+    definition on the flipped edge_index and the CPU op."""
+    edge_index, n = make_graph(seed=5)
+    case = Case(edge_index.flip(0), n, aggr)
+    case.csr = reversed_csr(NeighbourhoodCSR.from_edge_index(edge_index, n), n)
+    case.rcsr = receiver_csr(case.csr, n)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=8)
+    out, grads = assert_float32_matches(case, **kw)
+    if HAS_CPU_OP:
+        assert_matches_cpu_op(case, (out, *run_triton(case, backward=False, **kw)[1:3], grads), **kw)
 
 
 # ---------------------------------------------------------------- CUDA only
@@ -539,21 +933,21 @@ def test_check_suite_runs(tmp_path):
 
 
 def _spec_kernels():
-    from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_reduce
+    from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_reduce, ntconv_wgrad
 
     return {ntconv_gemm._prologue_kernel, ntconv_gemm._rows_gemm_kernel, ntconv_grad._message_grad_kernel,
-            ntconv_reduce._gate_kernel, ntconv_reduce._segment_softmax_kernel, ntconv_reduce._segment_sum_kernel,
-            ntconv_reduce._receive_kernel}
+            ntconv_reduce._gate_kernel, ntconv_reduce._reduce_kernel, ntconv_reduce._merge_kernel,
+            ntconv_reduce._normalize_kernel, ntconv_wgrad._weight_grad_kernel, ntconv_wgrad._combine_kernel}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_compile_specs_name_every_kernel_argument(dtype):
     """The AOT compile specs (ntconv_specs.py) type or fix every argument of their kernel exactly once."""
-    from nt_kernels.backends.triton.ntconv_specs import compile_specs
+    from nt_kernels.backends.triton.ntconv_specs import compile_specs, launches
 
     specs = compile_specs(dtype)
     assert {s.kernel for s in specs} == _spec_kernels(), "every fused-layer kernel has specs"
     for spec in specs:
-        from_configs = {key for config in spec.kernel.configs for key in config.kwargs}
-        named = [*spec.types, *spec.constexprs, *from_configs]
-        assert sorted(named) == sorted(spec.kernel.fn.arg_names), spec.name
+        for fn, constexprs, options in launches(spec):
+            assert sorted([*spec.types, *constexprs]) == sorted(fn.arg_names), spec.name
+            assert set(options) == {"num_warps", "num_stages"}, spec.name

@@ -180,8 +180,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=BACKENDS, default="kernels",
                         help="attention ops of the unfused composition: nt_kernels' kernels or the reference loops")
     parser.add_argument("--fused", choices=tuple(FUSED_CHOICES), default="auto",
-                        help="fused NT layer op: auto (where the device has a kernel), on (error where none), "
-                             "off (the composition)")
+                        help="fused NT layer op: auto (the path measured faster on the device: the fused op on "
+                             "CPU, the composition on CUDA; docs/nn.md), on (error where no kernel), off (the "
+                             "composition)")
     parser.add_argument("--seed", type=int, default=0,
                         help="split s is seeded with seed + s (default 0: the split index, as the released recipe)")
     parser.add_argument("--out", default=None, help="write the results as JSON to this file")

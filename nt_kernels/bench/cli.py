@@ -383,7 +383,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=1.0, help="size factor of synthetic graphs")
     p.add_argument("--repeats", type=int, default=10, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=int, default=2,
-                   help="untimed iterations after the memory pass (which is itself a warm-up)")
+                   help="untimed iterations after the memory pass (which is itself a warm-up); --layer: "
+                        "warm-up steps before the timed ones (layer options)")
     p.add_argument("--input-sets", type=int, default=2, help="input sets rotated between iterations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nb-features", type=int, default=None, help="Performer features m (default D ln D)")
@@ -398,7 +399,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "an address-space limit (default %(default)s)")
     p.add_argument("--reference-max-edges", type=int, default=DEFAULT_REFERENCE_MAX_EDGES,
                    help="run the loop reference only up to this many messages")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend worker")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per backend worker (--layer: per variant)")
     p.add_argument("--in-process", action="store_true",
                    help="measure in this process (fast; CPU peak memory is then a lower bound)")
     p.add_argument("--data-root", default=None, help="directory of the real graphs' npz files")

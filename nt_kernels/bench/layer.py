@@ -8,7 +8,9 @@ aggregation).  Both variants start from the same weights (same seed); their
 dropout masks differ (docs/nn.md).  Each variant runs in a fresh subprocess
 (``python -m nt_kernels.bench.layer SPEC.json``) that builds the graph itself.
 
-Order of the steps in a worker, and what is counted:
+Order of the steps in a worker, and what is counted (the same for every
+graph, ``powerlaw`` included; ``step_ms`` is always a steady-state step, never
+one that compiles):
 
 * CPU: one forward+backward on a three-node graph (so thread pools and code
   pages are loaded), then the address-space cap (``--memory-cap-gb``: an
@@ -17,10 +19,15 @@ Order of the steps in a worker, and what is counted:
   Peak memory is the process's peak resident set during the memory pass above
   its resident size before it (:class:`nt_kernels.bench.measure.PeakMemory`):
   honest only as the first large step of a fresh process.
-* CUDA: ``warmup`` untimed steps (Triton compiles, plans are cached), the
+* CUDA: ``warmup`` warm-up steps (Triton compiles, plans are cached), the
   memory pass, then ``repeats`` timed steps; peak memory is
   ``torch.cuda.max_memory_allocated`` during the memory pass above the bytes
   allocated before it.  No cap: the device's memory is the limit.
+* Every step's wall time is recorded: ``warmup_ms_runs`` (the ``warmup_steps``
+  warm-up steps), ``memory_pass_ms`` and ``step_ms_runs`` (the timed ones).
+  The worker rewrites its result file after every step, so a worker stopped
+  by ``--timeout`` still reports the steps it finished (status ``timeout: ...``
+  with the step times so far; ``step_ms`` only if a timed step finished).
 * ``baseline_bytes`` is what was resident (CPU) / allocated (CUDA) before the
   memory pass: Python, torch, graph, plans, features, model;
   ``peak_memory_bytes`` + ``baseline_bytes`` is the absolute peak of the pass.
@@ -283,8 +290,13 @@ def _setup(spec: dict, device: torch.device, entry: dict):
     return graph, csr, model, threshold
 
 
-def measure_variant(spec: dict, *, guard_memory: bool) -> dict:
-    """Build the graph and one variant's model, then measure (see the module docstring); never raises."""
+def _no_progress(entry: dict) -> None:
+    """Progress callback of an in-process run: nothing to save."""
+
+
+def measure_variant(spec: dict, *, guard_memory: bool, progress=_no_progress) -> dict:
+    """Build the graph and one variant's model, then measure (see the module docstring); never raises.
+    ``progress(entry)`` is called with the entry so far after every step."""
     s, device = spec["settings"], torch.device(spec["settings"]["device"])
     autocast = s["dtype"] == "bfloat16-autocast"
     entry = {"variant": spec["variant"], "fused": spec["variant"] == "fused"}
@@ -296,24 +308,30 @@ def measure_variant(spec: dict, *, guard_memory: bool) -> dict:
         entry["setup_s"] = time.perf_counter() - tick
         optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
 
-        def run(count: int) -> list[tuple[float, float]]:
-            done = [_timed_step(lambda: _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast),
-                                device) for _ in range(count)]
-            steps.extend(done)
+        def run(count: int, key: str) -> list[tuple[float, float]]:
+            done = []
+            for _ in range(count):
+                done.append(_timed_step(lambda: _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr,
+                                                      autocast), device))
+                steps.append(done[-1])
+                entry.setdefault(key, []).append(done[-1][0] * 1e3)
+                progress(entry)
             return done
 
+        entry.update(warmup_steps=s["warmup"], warmup_ms_runs=[], step_ms_runs=[])
         if device.type == "cpu":  # the memory pass must be the first large step of the process
             _tiny_warmup(model, graph, threshold, autocast)
             if guard_memory:
                 bm.limit_address_space(int(s["memory_cap_gb"] * 1e9))
         else:
-            run(s["warmup"])
+            run(s["warmup"], "warmup_ms_runs")
         memory = bm.PeakMemory(device)
-        (memory_pass,) = run(1)
-        entry.update(peak_memory_bytes=memory.peak(), baseline_bytes=memory.baseline, memory_method=memory.method)
+        run(1, "memory_pass_runs")
+        entry.update(peak_memory_bytes=memory.peak(), baseline_bytes=memory.baseline, memory_method=memory.method,
+                     memory_pass_ms=entry.pop("memory_pass_runs")[0])
         if device.type == "cpu":
-            run(s["warmup"])
-        timed = run(s["repeats"])
+            run(s["warmup"], "warmup_ms_runs")
+        timed = run(s["repeats"], "step_ms_runs")
     except Exception as exc:  # noqa: BLE001  (every failure is recorded in the results)
         if bm.is_oom(exc):
             entry.update(status="OOM", detail=f"{type(exc).__name__}: {str(exc).strip()[:200]}")
@@ -323,25 +341,52 @@ def measure_variant(spec: dict, *, guard_memory: bool) -> dict:
     finite = all(math.isfinite(loss) for _, loss in steps)
     entry.update(status="ok" if finite else "error: non-finite loss",
                  step_ms=statistics.median(seconds for seconds, _ in timed) * 1e3,
-                 step_ms_runs=[seconds * 1e3 for seconds, _ in timed], memory_pass_ms=memory_pass[0] * 1e3,
                  loss_first=steps[0][1], loss_last=steps[-1][1])
     return entry
 
 
+def partial_result(entry: dict, partial: dict) -> dict:
+    """The result of a worker stopped by the timeout (``entry``, its status) from the last state it
+    saved (``partial``): the steps it finished, ``step_ms`` the median of the timed ones if any."""
+    done = {key: partial[key] for key in ("graph", "setup_s", "warmup_steps", "warmup_ms_runs", "memory_pass_ms",
+                                          "peak_memory_bytes", "baseline_bytes", "memory_method", "step_ms_runs")
+            if key in partial}
+    timed = done.get("step_ms_runs", [])
+    detail = (f"stopped after {len(done.get('warmup_ms_runs', []))} of {done.get('warmup_steps', 0)} warm-up "
+              f"steps, {'the' if 'memory_pass_ms' in done else 'no'} memory pass and {len(timed)} timed steps")
+    result = {**entry, **done, "detail": detail}
+    if timed:
+        result["step_ms"] = statistics.median(timed)
+    return result
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Write ``doc`` to ``path`` atomically (a reader never sees half a file)."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(doc))
+    os.replace(part, path)
+
+
 def worker_main(spec_path: str) -> int:
-    """Subprocess entry: measure the variant of a spec JSON and write its result JSON."""
+    """Subprocess entry: measure the variant of a spec JSON and write its result JSON (the partial
+    result after every step to ``progress_file``, the final one to ``result_file``)."""
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["settings"]["threads"])
-    entry = measure_variant(spec, guard_memory=True)
-    Path(spec["result_file"]).write_text(json.dumps(entry))
+    progress = Path(spec["progress_file"])
+    entry = measure_variant(spec, guard_memory=True, progress=lambda partial: _write_json(progress, partial))
+    _write_json(Path(spec["result_file"]), entry)
     return 0
 
 
 def _run_worker(spec: dict, tmp: Path, timeout: float) -> dict:
     entry = {"variant": spec["variant"], "fused": spec["variant"] == "fused"}
     spec_file, result = tmp / f"spec-{spec['variant']}.json", tmp / f"result-{spec['variant']}.json"
-    spec_file.write_text(json.dumps({**spec, "result_file": str(result)}))
-    return bm.run_worker("nt_kernels.bench.layer", spec_file, result, timeout, entry)
+    progress = tmp / f"progress-{spec['variant']}.json"
+    spec_file.write_text(json.dumps({**spec, "result_file": str(result), "progress_file": str(progress)}))
+    entry = bm.run_worker("nt_kernels.bench.layer", spec_file, result, timeout, entry)
+    if entry["status"].startswith("timeout") and progress.is_file():
+        entry = partial_result(entry, json.loads(progress.read_text()))
+    return entry
 
 
 # ------------------------------------------------------------------- runs
@@ -554,9 +599,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer level (--layer)", "a training step of NT (forward, backward, Adam), fused=True vs fused=False, "
         "each in its own subprocess; graphs tolokers, minesweeper (released presets), synthetic (tolokers' "
         "degree sequence tiled to --messages, tolokers preset), powerlaw (H=4, D=16, 3 layers), a comma list or "
-        "'all' (the first three); --dtype float32 or bfloat16-autocast; --device, --threads, --repeats, --warmup, "
-        "--seed, --memory-cap-gb (CPU workers' address-space cap), --timeout, --in-process, --data-root, --out, "
-        "--from-json and --plot (the layer block of results.md) apply")
+        "'all' (the first three); --dtype float32 or bfloat16-autocast; on every graph --warmup N untimed "
+        "warm-up steps come first (on CUDA before the memory pass, so compiles are never timed; on CPU after "
+        "it, which must be the process's first large step), then --repeats timed steps (median reported); the "
+        "JSON records every step's time, and a worker stopped by --timeout (seconds per variant) reports the "
+        "steps it finished; --device, --threads, --seed, --memory-cap-gb (CPU workers' address-space cap), "
+        "--in-process, --data-root, --out, --from-json and --plot (the layer block of results.md) apply")
     group.add_argument("--layer", action="store_true", help="measure NT training steps instead of the op")
     group.add_argument("--variants", default=",".join(VARIANTS), help="comma list of fused, unfused")
     group.add_argument("--messages", type=int, default=None,

@@ -30,13 +30,26 @@ from nt_kernels.nn.aggregate import (AGGREGATORS, GATE_GROUPS, GATED_AGGREGATORS
 from nt_kernels.ops import neighbourhood_attention, ntconv, segment_performer_attention, segment_softmax_attention
 from nt_kernels.performer import default_nb_features, orthogonal_random_features, switch_threshold
 
-__all__ = ["ATTENTIONS", "BACKENDS", "DirNT", "NTConv"]
+__all__ = ["ATTENTIONS", "BACKENDS", "FUSED_FASTER", "DirNT", "NTConv", "fused_by_default"]
 
 ATTENTIONS = ("switch", "softmax", "performer")
 BACKENDS = ("kernels", "reference")
 # The attention backend's former name, still accepted: "fused" meant nt_kernels' attention ops.
 _BACKEND_ALIASES = {"fused": "kernels"}
 _SEED_HIGH = 2 ** 62  # dropout seeds are drawn from [0, 2**62) with the global CPU generator
+
+# What fused=None runs, per device type: True where the fused op measured faster per training step than
+# the composition (docs/nn.md, "Fused layer"; `bench --layer`, docs/results.md).  CPU: fused 3.50x faster
+# on tolokers, 1.81x on minesweeper.  CUDA (one H100, bf16 autocast, 2026-11-26): fused 387 ms vs 131 ms
+# on tolokers, so the composition there until a GPU run measures the fused op faster.  Device types not
+# listed run the composition.
+FUSED_FASTER = {"cpu": True, "cuda": False}
+
+
+def fused_by_default(device_type: str) -> bool:
+    """Whether ``fused=None`` runs the fused op on ``device_type``: where it measured faster
+    (:data:`FUSED_FASTER`) and the device has a kernel for it."""
+    return FUSED_FASTER.get(device_type, False) and has_fused_kernel(device_type)
 
 
 def _check_backend(name: str, value) -> str:
@@ -47,7 +60,7 @@ def _check_backend(name: str, value) -> str:
 
 def _check_fused(name: str, value) -> None:
     if value not in (None, True, False):
-        raise ValueError(f"{name}: fused must be None (use the fused op where the device has a kernel), "
+        raise ValueError(f"{name}: fused must be None (the path measured faster on the device), "
                          f"True or False, got {value!r}")
 
 
@@ -127,10 +140,12 @@ class NTConv(nn.Module):
             ``"fused"``, its former name, is accepted) or ``reference`` (nt_reference loops);
             settable later as ``conv.backend``.
         fused: run the whole message pipeline as one fused op (``nt_kernels.ntconv``,
-            no per-message activation kept for backward): ``None`` (default) where the
-            input's device has a fused kernel, ``True`` always (an error where there is
-            none), ``False`` never (the composition of Linear, GELU, dropout, attention
-            op and aggregation: the comparison point).  Settable later as ``conv.fused``.
+            no per-message activation kept for backward): ``None`` (default) the path
+            measured faster on the input's device type (:func:`fused_by_default`: the
+            fused op on CPU, the composition on CUDA for now), ``True`` always (an error
+            where the device has no fused kernel), ``False`` never (the composition of
+            Linear, GELU, dropout, attention op and aggregation: the comparison point).
+            Settable later as ``conv.fused``.
             The fused op draws its dropout mask from a counter generator seeded from
             the global CPU generator, the composition uses ``F.dropout``: the two give
             different masks for the same global seed, each reproducible.
@@ -208,11 +223,12 @@ class NTConv(nn.Module):
                 raise ValueError("NTConv: fused=True runs nt_kernels' fused op; backend='reference' needs fused=False "
                                  "or None")
             return False
-        available = has_fused_kernel(device.type)
-        if self._fused and not available:
+        if self._fused is None:
+            return fused_by_default(device.type)
+        if not has_fused_kernel(device.type):
             raise ValueError(f"NTConv: fused=True but the fused NT layer op has no kernel for device "
                              f"{device.type!r}; use fused=None (falls back to the composition) or fused=False")
-        return available
+        return True
 
     def reset_parameters(self) -> None:
         """Re-initialise every weight and redraw the Performer projection."""
@@ -244,8 +260,9 @@ class NTConv(nn.Module):
         z = F.dropout(F.gelu(z), self.dropout, self.training)
         q, k, v = self.lin_qkv(z).view(z.shape[0], 3, self.heads, self.head_dim).unbind(1)
         o = self._attend(q, k, v, csr)
-        messages = F.gelu(self.lin_out(o.reshape(o.shape[0], self.out_channels)))
-        return aggregate(messages, csr, self.aggr, num_nodes=x.shape[0], heads=self.heads, gate_group=self.gate_group)
+        pre = self.lin_out(o.reshape(o.shape[0], self.out_channels))
+        return aggregate(F.gelu(pre), csr, self.aggr, num_nodes=x.shape[0], heads=self.heads,
+                         gate_group=self.gate_group, keys=pre)
 
     def _check_edge_attr(self, csr: NeighbourhoodCSR, edge_attr) -> None:
         if self.edge_dim is None:

@@ -1,23 +1,28 @@
 """Per-message kernels of the fused NT layer on CUDA: the prologue and the row GEMM.
 
-Both work on one chunk of packed rows (ntconv_plan.py) and tile a program as
-(BLOCK_R rows) x (BLOCK_N output columns), walking the contraction in
-BLOCK_K steps with ``tl.dot`` (tensor cores for bf16/fp16 operands, fp32
-accumulation; fp32 operands at full precision unless TF32 is asked for).
-BLOCK_K is fixed, so the summation order of every output element does not
-depend on the autotuned tile shape.
+Both work on one chunk of packed rows (ntconv_plan.py) with ``tl.dot``
+(tensor cores for bf16/fp16 operands, fp32 accumulation; fp32 operands at
+full precision unless TF32 is asked for).
 
 * ``_prologue_kernel`` (DESIGN §6 steps 1-2): per packed row r of segment j
   with receiver k, u = centre[j] + receiver_term[k] (+ edge_attr[perm[r]] ·
   w_edgeᵀ), z = GELU(u) (exact erf) times the counter dropout multiplier of
   (seed, r, channel), then [q | k | v] = z · w_qkvᵀ + b_qkv, written to the
-  chunk's (3, R, C) buffer.  z is rebuilt for every K step from the gathered
-  node terms, so it never goes to memory in the forward; the backward's run
-  also stores z and dz/du = GELU'(u) · multiplier (fp32).
+  chunk's (3, R, C) buffer.  A program takes BLOCK_R consecutive packed rows
+  and all C channels (tiles from ``ntconv_plan.prologue_tiles``): the index
+  vectors are read coalesced in packed order, each gathered node-term and
+  edge row once as a whole row, z is computed once in registers and rounded
+  to the parameters' type, then multiplied by w_qkv one (part, BLOCK_N
+  columns) block at a time, each stored as a contiguous tile of q, k or v.
+  The backward's run also stores z (in the parameters' type: what the
+  w_qkv gradient multiplies) and dz/du = GELU'(u) · multiplier (fp32).
 * ``_rows_gemm_kernel``: out = A · W (+ bias) (· mul), A read through a
   (part, row, column) stride pattern so the (3, R, C) qkv gradient is read as
   one (R, 3C) operand.  Serves the output projection y = o · w_outᵀ + b_out,
-  the message gradient do = dy · w_out and du = (dqkv · w_qkv) · dz/du.
+  the message gradient do = dy · w_out and du = (dqkv · w_qkv) · dz/du.  A
+  program tiles (BLOCK_R rows) x (BLOCK_N output columns) and walks the
+  contraction in fixed BLOCK_K steps, so the summation order of an output
+  element does not depend on the autotuned BLOCK_R.
 """
 from __future__ import annotations
 
@@ -27,20 +32,21 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import INTERPRET, cast, mm
+from nt_kernels.backends.triton.ntconv_plan import prologue_tiles
 
-__all__ = ["BLOCK_K", "gelu", "gelu_grad", "gemm_configs", "mix32", "prologue", "prologue_configs", "rows_gemm"]
+__all__ = ["BLOCK_K", "gelu", "gelu_grad", "gemm_configs", "mix32", "prologue", "rows_gemm"]
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 GOLDEN = tl.constexpr(0x9E3779B9)
 MIX_A = tl.constexpr(0x7FEB352D)
 MIX_B = tl.constexpr(0x846CA68B)
-BLOCK_K = 32   # contraction step of every GEMM here (fixed: see the module docstring)
-BLOCK_F = 16   # edge-feature step of the edge term
+BLOCK_K = 32   # contraction step of the row GEMM (fixed: see the module docstring)
 
 
-# NT_KERNELS_TRITON_AUTOTUNE=0 pins each kernel to its first config (the time-boxed GPU script sets it).
-AUTOTUNE = os.environ.get("NT_KERNELS_TRITON_AUTOTUNE", "1") != "0"
+# On-line autotuning is opt-in, as for the exact kernels (configs.py): NT_KERNELS_TRITON_AUTOTUNE=1 times
+# every config; otherwise each kernel runs its first config (the one the first H100 run checked).
+AUTOTUNE = os.environ.get("NT_KERNELS_TRITON_AUTOTUNE", "0") == "1"
 
 
 def gemm_configs():
@@ -49,16 +55,6 @@ def gemm_configs():
         return [triton.Config({"BLOCK_R": 32}, num_warps=4)]
     tuned = [triton.Config({"BLOCK_R": r}, num_warps=w, num_stages=s)
              for r in (32, 64) for w in (4, 8) for s in (2, 3)]
-    return tuned if AUTOTUNE else tuned[:1]
-
-
-def prologue_configs():
-    """Autotuning set of the prologue: 8 warps, because its (BLOCK_R x BLOCK_N) accumulator lives next to
-    the hash, GELU and edge-term tiles (ptxas, sm_90: 4 warps spill for BLOCK_N = 256, 8 warps with
-    BLOCK_R = 16 do not, in fp32 or bf16)."""
-    if INTERPRET:
-        return [triton.Config({"BLOCK_R": 32}, num_warps=4)]
-    tuned = [triton.Config({"BLOCK_R": r}, num_warps=8, num_stages=s) for r in (16, 32) for s in (2, 3)]
     return tuned if AUTOTUNE else tuned[:1]
 
 
@@ -100,10 +96,10 @@ def dropout_keep(rows, ch, seed_word, threshold):
 
 
 @triton.jit
-def _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R: tl.constexpr,
-               BLOCK_K: tl.constexpr, BLOCK_F: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    """edge_attr[edge] · w_edge[ch]ᵀ for one (rows x BLOCK_K) tile, fp32."""
-    acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+def _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               BLOCK_F: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    """edge_attr[edge] · w_edgeᵀ for (BLOCK_R rows) x (BLOCK_C channels), fp32, BLOCK_F features a step."""
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     for f0 in range(0, F, BLOCK_F):
         f = f0 + tl.arange(0, BLOCK_F)
         a = tl.load(edge_attr + edge[:, None] * F + f[None, :], mask=valid[:, None] & (f[None, :] < F), other=0.0)
@@ -112,52 +108,60 @@ def _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R: tl.cons
     return acc
 
 
-@triton.autotune(configs=prologue_configs(), key=["C", "F", "BLOCK_N", "HAS_EDGE", "DROPOUT", "STORE_Z"])
+@triton.jit
+def _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
+                 C, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
+                 HAS_EDGE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    """u = centre[j] + receiver_term[k] (+ edge term) of the tile's rows, whole rows, fp32."""
+    j = tl.load(seg_of_row + r, mask=valid, other=0)
+    k = tl.load(receiver + grow, mask=valid, other=0)
+    mask = valid[:, None] & ch_valid[None, :]
+    u = tl.load(centre + j[:, None] * C + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+    u += tl.load(recv_term + k[:, None] * C + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_EDGE:
+        edge = tl.load(perm + grow, mask=valid, other=0)
+        u += _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R, BLOCK_C, BLOCK_F, DOT_PREC,
+                        BF16_EMU)
+    return u
+
+
 @triton.jit(do_not_specialize=["row0", "seed_word", "threshold"])
 def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receiver, perm, seg_of_row,
                      qkv, z_out, jac_out, row0, R, C, F, seed_word, threshold, drop_scale,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
                      STORE_Z: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    # Step 1: the tile's rows, their centre, receiver and edge, and output columns.
+    # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = r < R
     grow = row0 + r.to(tl.int64)
-    j = tl.load(seg_of_row + r, mask=valid, other=0)
-    k = tl.load(receiver + grow, mask=valid, other=0)
-    edge = tl.load(perm + grow, mask=valid, other=0) if HAS_EDGE else grow
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = n < 3 * C
-    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        # Step 2: u = centre[j] + receiver_term[k] (+ edge term) for BLOCK_K channels.
-        ch = k0 + tl.arange(0, BLOCK_K)
-        ch_valid = ch < C
-        mask = valid[:, None] & ch_valid[None, :]
-        u = tl.load(centre + j[:, None] * C + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-        u += tl.load(recv_term + k[:, None] * C + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_EDGE:
-            u += _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R, BLOCK_K, BLOCK_F,
-                            DOT_PREC, BF16_EMU)
-        # Step 3: z = GELU(u) times the dropout multiplier of (seed, row, channel).
-        z = gelu(u)
-        scale = tl.full([BLOCK_R, BLOCK_K], 1.0, tl.float32)
-        if DROPOUT:
-            scale = tl.where(dropout_keep(grow, ch, seed_word, threshold), drop_scale, 0.0)
-            z = z * scale
-        if STORE_Z:  # the programs of the first column block store z and dz/du
-            if tl.program_id(1) == 0:
-                offs = r[:, None].to(tl.int64) * C + ch[None, :]
-                tl.store(z_out + offs, z, mask=mask)
-                tl.store(jac_out + offs, gelu_grad(u) * scale, mask=mask)
-        # Step 4: acc += z · w_qkv[n, ch]ᵀ on tensor cores (z rounded to the weights' type).
-        w = tl.load(w_qkv + n[None, :] * C + ch[:, None], mask=n_valid[None, :] & ch_valid[:, None], other=0.0)
-        acc += mm(cast(z, w.dtype, BF16_EMU), w, DOT_PREC, BF16_EMU)
-    # Step 5: bias, then column n of [q | k | v] goes to part n // C of the (3, R, C) buffer.
-    acc += tl.load(b_qkv + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-    part = n // C
-    offs = part[None, :].to(tl.int64) * R * C + r[:, None].to(tl.int64) * C + (n - part * C)[None, :]
-    tl.store(qkv + offs, cast(acc, qkv.dtype.element_ty, BF16_EMU), mask=valid[:, None] & n_valid[None, :])
+    ch = tl.arange(0, BLOCK_C)
+    ch_valid = ch < C
+    mask = valid[:, None] & ch_valid[None, :]
+    # Step 2: u from the gathered node terms (+ edge term), each row read once.
+    u = _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
+                     C, F, BLOCK_R, BLOCK_C, BLOCK_F, HAS_EDGE, DOT_PREC, BF16_EMU)
+    # Step 3: z = GELU(u) times the dropout multiplier of (seed, row, channel), rounded to the weights' type.
+    scale = tl.full([BLOCK_R, BLOCK_C], 1.0, tl.float32)
+    if DROPOUT:
+        scale = tl.where(dropout_keep(grow, ch, seed_word, threshold), drop_scale, 0.0)
+    z = cast(gelu(u) * scale, w_qkv.dtype.element_ty, BF16_EMU)
+    if STORE_Z:  # the backward's run: z (for the w_qkv gradient) and dz/du
+        offs = r[:, None].to(tl.int64) * C + ch[None, :]
+        tl.store(z_out + offs, z, mask=mask)
+        tl.store(jac_out + offs, gelu_grad(u) * scale, mask=mask)
+    # Step 4: per part (q, k, v) and block of BLOCK_N columns: z · w_qkv[part C + n]ᵀ + b_qkv, stored in place.
+    for part in range(3):
+        for n0 in range(0, C, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = n < C
+            col = part * C + n
+            w = tl.load(w_qkv + col[None, :] * C + ch[:, None], mask=n_valid[None, :] & ch_valid[:, None], other=0.0)
+            acc = mm(z, w, DOT_PREC, BF16_EMU)
+            acc += tl.load(b_qkv + col, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+            out_offs = (r[:, None].to(tl.int64) + part * R) * C + n[None, :]
+            tl.store(qkv + out_offs, cast(acc, qkv.dtype.element_ty, BF16_EMU),
+                     mask=valid[:, None] & n_valid[None, :])
 
 
 @triton.autotune(configs=gemm_configs(), key=["K", "N", "BLOCK_N", "HAS_BIAS", "HAS_MUL"])
@@ -193,16 +197,18 @@ def _rows_gemm_kernel(a, w, bias, mul, out, R, K, N, A_SPLIT, A_PART, A_ROW, W_K
 def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
     """Launch the prologue for ``chunk`` (ntconv_op.Problem ``p``); z_out/jac_out None in the forward."""
     rows, c = chunk.rows, p.channels
-    bn = block_n(3 * c, 256)
+    if rows == 0:
+        return
+    t = prologue_tiles(c, p.edge_dim)
     store = z_out is not None
     edge = p.edge_attr is not None
-    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(3 * c, bn))  # noqa: E731
-    _prologue_kernel[grid](
+    _prologue_kernel[(triton.cdiv(rows, t.block_r),)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre,
         p.w_qkv, p.b_qkv, p.receiver, p.perm, seg_of_row, qkv, z_out if store else qkv, jac_out if store else qkv,
         chunk.row0, rows, c, p.edge_dim, p.seed_word, p.drop_threshold, p.drop_scale,
-        BLOCK_N=bn, BLOCK_K=BLOCK_K, BLOCK_F=BLOCK_F, HAS_EDGE=edge, DROPOUT=p.dropout > 0, STORE_Z=store,
-        DOT_PREC=dot_prec, BF16_EMU=bf16_emu)
+        BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
+        DROPOUT=p.dropout > 0, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
+        num_stages=t.num_stages)
 
 
 def rows_gemm(out, a, w, *, rows, k, n, a_split, a_part, a_row, w_k, w_n, bias=None, mul=None,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import cast
 from nt_kernels.backends.triton.ntconv_gemm import gelu, gelu_grad
 from nt_kernels.backends.triton.ntconv_reduce import tile_shape
 
@@ -32,8 +31,7 @@ GRAD_TILE_ELEMENTS = 1024
 
 
 @triton.jit
-def _plain_grad(y, g_out, out, stats, recv_rowptr, dy, r, k, valid, h, d, H, D,
-                MODE: tl.constexpr, BF16_EMU: tl.constexpr):
+def _plain_grad(y, g_out, stats, keys, recv_rowptr, dy, r, k, valid, h, d, H, D, MODE: tl.constexpr):
     """sum / mean / max: dy = dm · GELU'(y) on C = H·D channels."""
     mask = valid[:, None, None] & (h < H)[None, :, None] & (d < D)[None, None, :]
     col = (h * D)[None, :, None] + d[None, None, :]
@@ -44,19 +42,18 @@ def _plain_grad(y, g_out, out, stats, recv_rowptr, dy, r, k, valid, h, d, H, D,
     if MODE == 1:  # GRAD_MEAN
         deg = tl.load(recv_rowptr + k + 1, mask=valid, other=1) - tl.load(recv_rowptr + k, mask=valid, other=0)
         g = g / tl.maximum(deg, 1).to(tl.float32)[:, None, None]
-    if MODE == 2:  # GRAD_MAX: the messages attaining the max share g evenly
-        m = cast(gelu(yv), out.dtype.element_ty, BF16_EMU).to(tl.float32)
-        peak = tl.load(out + node, mask=mask, other=0.0).to(tl.float32)
+    if MODE == 2:  # GRAD_MAX: the messages whose pre-activation equals the tie key share g evenly
+        key = tl.load(keys + node, mask=mask, other=0.0)
         ties = tl.load(stats + node, mask=mask, other=1.0)
-        g = tl.where(m == peak, g / ties, 0.0)
+        g = tl.where(yv == key, g / ties, 0.0)
     tl.store(dy + offs, g * gelu_grad(yv), mask=mask)
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=4)], key=["H", "D", "MODE"])
 @triton.jit
-def _message_grad_kernel(y, g_out, out, stats, recv_rowptr, gate, seg_sum, seg_of_row, receiver, dy, wa,
+def _message_grad_kernel(y, g_out, out, stats, keys, recv_rowptr, gate, seg_sum, seg_of_row, receiver, dy, wa,
                          row0, seg0, R, H, D, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BF16_EMU: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     # Step 1: the tile's rows and their receivers.
     r = (tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)).to(tl.int64)
     valid = r < R
@@ -64,7 +61,7 @@ def _message_grad_kernel(y, g_out, out, stats, recv_rowptr, gate, seg_sum, seg_o
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     if MODE <= 2:
-        _plain_grad(y, g_out, out, stats, recv_rowptr, dy, r, k, valid, h, d, H, D, MODE, BF16_EMU)
+        _plain_grad(y, g_out, stats, keys, recv_rowptr, dy, r, k, valid, h, d, H, D, MODE)
     else:
         # Step 2 (gated): gate and value halves of every head, a = g · value.
         mask = valid[:, None, None] & (h < H)[None, :, None] & (d < D)[None, None, :]
@@ -97,13 +94,14 @@ def _message_grad_kernel(y, g_out, out, stats, recv_rowptr, gate, seg_sum, seg_o
             tl.store(dy + gate_offs + D, g * w[:, :, None] * gelu_grad(y_value), mask=mask)
 
 
-def message_grad(dy, y, mode, p, chunk, state, seg_of_row, *, gate=None, seg_sum=None, wa=None, bf16_emu=False):
+def message_grad(dy, y, mode, p, chunk, state, seg_of_row, *, gate=None, seg_sum=None, wa=None):
     """Launch the message gradient for ``chunk`` (ntconv_op.Problem ``p``, saved ``state``)."""
     if chunk.rows == 0:
         return
     be, bh, bd = tile_shape(p.heads, p.head_dim, GRAD_TILE_ELEMENTS)
     _message_grad_kernel[(triton.cdiv(chunk.rows, be),)](
-        y, state.grad_out, state.out, state.stats, p.recv_rowptr, y if gate is None else gate,
+        y, state.grad_out, state.out, state.stats, state.stats[1] if mode == GRAD_MAX else state.stats,
+        p.recv_rowptr, y if gate is None else gate,
         y if seg_sum is None else seg_sum, seg_of_row, p.receiver, dy, y if wa is None else wa,
         chunk.row0, chunk.seg0, chunk.rows, p.heads, p.head_dim, MODE=mode, BLOCK_E=be, BLOCK_H=bh,
-        BLOCK_D=bd, BF16_EMU=bf16_emu)
+        BLOCK_D=bd)

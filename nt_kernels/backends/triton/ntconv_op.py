@@ -14,16 +14,18 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
 
 The backward recomputes 1-3 per chunk, gets dy from the saved (out, stats,
 lse) (ntconv_grad.py), then do = dy · w_out, the attention backward, and
-du = (dqkv · w_qkv) · dz/du; weight gradients are per-chunk fp32 ``torch.mm``
-partials added in chunk order, d_centre a per-segment sum, d_receiver_term a
-receiver reduction like the forward's.  No float atomics anywhere.
+du = (dqkv · w_qkv) · dz/du; weight and bias gradients are split-K tensor-core
+reductions over fixed row blocks (ntconv_wgrad.py) added to fp32 accumulators
+in chunk order, d_centre a per-segment sum, d_receiver_term a receiver
+reduction like the forward's.  No float atomics anywhere.
 
 Dtypes (as the CPU op): node terms and edge features in one dtype, the
 parameters in another (autocast casts only the parameters), each float32,
 bfloat16 or float16; q, k, v, o and ``out`` are in the parameters' dtype, the
-per-message GEMMs run on that dtype's tensor cores with fp32 accumulation
-(fp32 at full precision unless ``torch.backends.cuda.matmul.allow_tf32``), and
-everything else (GELU, dropout, gates, reductions, weight gradients) is fp32.
+per-message GEMMs and the weight gradients run on that dtype's tensor cores
+with fp32 accumulation (fp32 at full precision unless
+``torch.backends.cuda.matmul.allow_tf32``), and everything else (GELU,
+dropout, gates, reductions, the gradient accumulators) is fp32.
 
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
@@ -40,26 +42,13 @@ from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
 from nt_kernels.backends.triton.ntconv_gemm import prologue, rows_gemm
 from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
                                                     GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, message_grad)
-from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, gate_values,
+from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, State, gate_values,
                                                       receive, segment_softmax, segment_sum)
+from nt_kernels.backends.triton.ntconv_wgrad import weight_grad
 from nt_kernels.backends.triton.softmax_bwd import softmax_bwd
 from nt_kernels.backends.triton.softmax_fwd import softmax_fwd
 
 __all__ = ["ARG_NAMES", "ntconv_bwd", "ntconv_fwd", "problem", "prologue", "register", "segment_of_rows"]
-
-
-class ReceiverState:
-    """Running per-receiver state of a receiver reduction (fp32): the accumulator (rows, C), and
-    the online-softmax max / sum (rows, H) or the max's tie count (rows, C) where the mode needs them."""
-
-    def __init__(self, rows: int, p: Problem, mode: int, out_type: torch.Tensor):
-        dev, c, h = p.device, p.channels, p.heads
-        fill = float("-inf") if mode == AGG_MAX else 0.0
-        self.acc = torch.full((rows, c), fill, dtype=torch.float32, device=dev)
-        self.run_max = torch.full((rows, h), float("-inf"), device=dev) if mode == AGG_SOFTMAX else self.acc
-        self.run_sum = torch.zeros((rows, h), device=dev) if mode == AGG_SOFTMAX else self.acc
-        self.count = torch.zeros((rows, c), device=dev) if mode == AGG_MAX else self.acc
-        self.out_type = out_type
 
 
 class Saved:
@@ -99,11 +88,12 @@ def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
 
 
 def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
-    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du); z and dz/du only in the backward."""
+    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du); z (in the parameters' dtype) and dz/du
+    (fp32) only in the backward."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
     qkv = torch.empty((3, rows, p.heads, p.head_dim), dtype=p.dtype, device=p.device)
-    z = torch.empty((rows, p.channels), dtype=torch.float32, device=p.device) if backward else None
-    jac = torch.empty_like(z) if backward else None
+    z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
+    jac = torch.empty((rows, p.channels), dtype=torch.float32, device=p.device) if backward else None
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
     q, k, v = qkv.unbind(0)
     o = torch.zeros_like(q)
@@ -115,32 +105,35 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     return y, o, q, k, v, z, jac
 
 
-def _gates(p: Problem, chunk, y):
+def _gates(p: Problem, chunk, y, seg_of_row):
     """Per-(row, head) gate for the reduction: sigmoid(gamma), gamma, or the centre softmax."""
     if p.aggr not in ("weighted_mean", "gated_sum"):
         return None
     gate = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device)
     gate_values(gate, y, chunk.rows, p.heads, p.head_dim, sigmoid=p.aggr == "gated_sum")
     if p.aggr == "weighted_mean" and p.gate_group == "centre":
-        segment_softmax(gate, chunk.rowptr, chunk.seg1 - chunk.seg0, p.heads)
+        segment_softmax(gate, chunk, seg_of_row, p.heads)
     return gate
 
 
-def _finish(p: Problem, state: ReceiverState, mode: int):
+def _finish(p: Problem, state: State, mode: int):
     """(out, stats) from the running state."""
     acc = state.acc
     stats = torch.zeros(0, dtype=torch.float32, device=p.device)
     if p.aggr == "mean":
         acc = acc / torch.diff(p.recv_rowptr).clamp(min=1).unsqueeze(1).to(acc.dtype)
-    elif mode == AGG_MAX:
-        acc = torch.where(torch.isnan(acc) | (state.count > 0), acc, torch.zeros_like(acc))
-        stats = state.count
-    elif mode == AGG_SOFTMAX:
-        total = state.run_sum.unsqueeze(2)
-        heads = acc.view(-1, p.heads, p.head_dim)
-        acc = torch.where(total == 0, torch.zeros_like(heads), heads / total).view(-1, p.channels)
-        stats = torch.where(state.run_sum == 0, torch.zeros_like(state.run_sum),
-                            state.run_max + torch.log(state.run_sum))  # 0 for empty receivers, as on CPU
+    elif mode == AGG_MAX:  # as on CPU: 0 without messages; a NaN maximum gets count 0 and key NaN
+        count, key = state.count.unbind(0)
+        nan, received = torch.isnan(acc), count > 0
+        acc = torch.where(nan | received, acc, torch.zeros_like(acc))
+        stats = torch.stack([torch.where(nan, torch.zeros_like(count), count),
+                             torch.where(nan, acc, torch.where(received, key, torch.zeros_like(key)))])
+    elif mode == AGG_SOFTMAX:  # M and L per channel, equal across a head's: the head's first channel for stats
+        total = state.run_sum
+        acc = torch.where(total == 0, torch.zeros_like(acc), acc / total)
+        run_sum, run_max = total[:, ::p.head_dim], state.run_max[:, ::p.head_dim]
+        stats = torch.where(run_sum == 0, torch.zeros_like(run_sum),
+                            run_max + torch.log(run_sum))  # 0 for empty receivers, as on CPU
     return acc.to(p.dtype), stats
 
 
@@ -155,15 +148,12 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     out = torch.empty((p.num_out, p.channels), dtype=p.dtype, device=p.device)
     lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
     mode = _aggregation_mode(p)
-    state = ReceiverState(p.num_out, p, mode, out)
-    gated = p.aggr in ("weighted_mean", "gated_sum")
-    d, c = p.head_dim, p.channels
+    state = State.empty(p.num_out, p.channels, mode, out)
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
         y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], backward=False)[0]
-        receive(state, y, chunk, p.plan.groups, heads=p.heads, dim=d, row=p.out_channels,
-                head_stride=2 * d if gated else d, value_off=d if gated else 0, mode=mode, apply_gelu=True,
-                gate=_gates(p, chunk, y), bf16_emu=p.bf16_emu)
+        receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
+                apply_gelu=True, gate=_gates(p, chunk, y, seg_of_row), bf16_emu=p.bf16_emu)
     result, stats = _finish(p, state, mode)
     out.copy_(result)
     return out, lse, stats
@@ -173,18 +163,16 @@ def _message_grad(p: Problem, chunk, y, seg_of_row, saved: Saved):
     """dy (rows, C_out) for one chunk."""
     dy = torch.empty_like(y)
     if p.aggr == "weighted_mean" and p.gate_group == "centre":
-        gate = _gates(p, chunk, y)
+        gate = _gates(p, chunk, y, seg_of_row)
         wa = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device)
-        message_grad(dy, y, GRAD_CENTRE_A, p, chunk, saved, seg_of_row, gate=gate, wa=wa, bf16_emu=p.bf16_emu)
-        num_seg = chunk.seg1 - chunk.seg0
-        seg_sum = torch.empty((num_seg, p.heads), dtype=torch.float32, device=p.device)
-        segment_sum(seg_sum, wa, chunk.rowptr, num_seg, p.heads)
-        message_grad(dy, y, GRAD_CENTRE_B, p, chunk, saved, seg_of_row, gate=gate, seg_sum=seg_sum,
-                     bf16_emu=p.bf16_emu)
+        message_grad(dy, y, GRAD_CENTRE_A, p, chunk, saved, seg_of_row, gate=gate, wa=wa)
+        seg_sum = torch.zeros((chunk.seg1 - chunk.seg0, p.heads), dtype=torch.float32, device=p.device)
+        segment_sum(seg_sum, wa, chunk, p.heads)
+        message_grad(dy, y, GRAD_CENTRE_B, p, chunk, saved, seg_of_row, gate=gate, seg_sum=seg_sum)
         return dy
     mode = {"sum": GRAD_SUM, "mean": GRAD_MEAN, "max": GRAD_MAX, "gated_sum": GRAD_GATED_SUM,
             "weighted_mean": GRAD_SOFTMAX}[p.aggr]
-    message_grad(dy, y, mode, p, chunk, saved, seg_of_row, bf16_emu=p.bf16_emu)
+    message_grad(dy, y, mode, p, chunk, saved, seg_of_row)
     return dy
 
 
@@ -194,7 +182,7 @@ class Grads:
     def __init__(self, p: Problem, input_mask):
         dev, c, f32 = p.device, p.channels, torch.float32
         self.centre = torch.zeros((p.num_nodes, c), dtype=f32, device=dev) if input_mask[0] else None
-        self.receiver = ReceiverState(p.num_nodes, p, AGG_SUM, p.centre) if input_mask[1] else None
+        self.receiver = State.empty(p.num_nodes, c, AGG_SUM, p.centre) if input_mask[1] else None
         has_edge = p.edge_attr is not None
         self.edge_attr = torch.zeros_like(p.edge_attr) if has_edge and input_mask[2] else None
         self.w_edge = torch.zeros((c, p.edge_dim), dtype=f32, device=dev) if has_edge else None
@@ -204,22 +192,31 @@ class Grads:
         self.b_out = torch.zeros(p.out_channels, dtype=f32, device=dev)
 
 
+def _weight_grad(p: Problem, w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, b_row, index=None, row0=0):
+    """w_acc += Aᵀ B (and b_acc += column sums of A) on the parameters' tensor cores (ntconv_wgrad.py)."""
+    weight_grad(w_acc, b_acc, a, b, rows=rows, m=m, n=n, a_split=a_split, a_part=a_part, a_row=a_split, b_row=b_row,
+                dtype=p.dtype, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu, index=index, row0=row0)
+
+
 def _input_grads(p: Problem, chunk, g: Grads, du, z, dqkv) -> None:
     """Weight gradients of the prologue and the input gradients from du for one chunk."""
-    c = p.channels
-    flat = dqkv.view(3, chunk.rows, c).float()
-    g.w_qkv.view(3, c, c).add_(torch.bmm(flat.transpose(1, 2), z.expand(3, -1, -1)))
-    g.b_qkv.view(3, c).add_(flat.sum(1))
+    c, rows = p.channels, chunk.rows
+    # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
+    _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=rows * c, b_row=c)
     if g.centre is not None:
-        segment_sum(g.centre[chunk.seg0:], du, chunk.rowptr, chunk.seg1 - chunk.seg0, c)
+        segment_sum(g.centre[chunk.seg0:], du, chunk, c)
     if g.receiver is not None:
-        receive(g.receiver, du, chunk, p.plan.groups, heads=p.heads, dim=p.head_dim, row=c, head_stride=p.head_dim,
-                value_off=0, mode=AGG_SUM, apply_gelu=False)
+        receive(g.receiver, du, chunk, channels=c, heads=p.heads, row=c, mode=AGG_SUM, apply_gelu=False)
     if p.edge_attr is not None:
-        edges = p.perm[chunk.row0:chunk.row1]
-        g.w_edge.add_(du.t() @ p.edge_attr.index_select(0, edges).float())
-        if g.edge_attr is not None:
-            g.edge_attr.index_copy_(0, edges, (du @ p.w_edge.float()).to(g.edge_attr.dtype))
+        # dW_edge += duᵀ edge_attr[perm[rows]] (gathered in the kernel), then d_edge_attr row by row.
+        f = p.edge_dim
+        _weight_grad(p, g.w_edge, None, du, p.edge_attr, rows=rows, m=c, n=f, a_split=c, a_part=0, b_row=f,
+                     index=p.perm, row0=chunk.row0)
+        if g.edge_attr is not None:  # d_edge_attr[perm[r]] = du[r] · w_edge, written once per row
+            d_edge = torch.empty((rows, f), dtype=g.edge_attr.dtype, device=p.device)
+            rows_gemm(d_edge, du, p.w_edge, rows=rows, k=c, n=f, a_split=c, a_part=0, a_row=c, w_k=f, w_n=1,
+                      dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+            g.edge_attr.index_copy_(0, p.perm[chunk.row0:chunk.row1], d_edge)
 
 
 def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
@@ -229,9 +226,9 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     # Recompute steps 1-3, then dy from the saved state.
     y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True)
     dy = _message_grad(p, chunk, y, seg_of_row, saved)
-    # Output projection: weight partials, then do = dy · w_out.
-    g.w_out.add_(dy.t() @ o.view(rows, c).float())
-    g.b_out.add_(dy.sum(0))
+    # Output projection: dW_out += dyᵀ o and db_out, then do = dy · w_out.
+    c_out = p.out_channels
+    _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
     do = torch.empty_like(o)
     rows_gemm(do, dy, p.w_out, rows=rows, k=p.out_channels, n=c, a_split=p.out_channels, a_part=0,
               a_row=p.out_channels, w_k=c, w_n=1, dot_prec=prec, bf16_emu=emu)

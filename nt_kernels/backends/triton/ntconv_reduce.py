@@ -1,39 +1,59 @@
-"""Gates, segment reductions and the receiver reduction of the fused NT layer on CUDA.
+"""Gates and the segmented reductions of the fused NT layer on CUDA.
 
-All of them read a chunk's fp32 pre-activations y = o · w_outᵀ + b_out
-(R, C_out) (the message is GELU(y)) and view a row as H heads of D channels,
-as (rows, BLOCK_H, BLOCK_D) tiles; for the gated aggregators head h of y is
-[gate half (D) | value half (D)].  Every sum runs over rows in a fixed order
-(blocks of BLOCK_E rows, each reduced by ``tl.sum``), and every output element
-is written by one program: no atomics, bitwise reproducible.
+The reductions read a chunk's per-row values x (R, W) and combine them per
+*group* of rows: by receiver (the receiver reduction of the forward's
+messages GELU(y), y = o · w_outᵀ + b_out, and of the backward's du for
+d_receiver_term) or by centre segment (d_centre, the centre gates' softmax and
+the centre-gate backward's sums).  The plan (ntconv_plan.py, "Segmented
+reductions") lists each group as work *items* of at most P rows, sorted by
+size class; channels are flat (c = head · D + dim; for the gated aggregators
+head h of y is [gate half (D) | value half (D)] and the value half is read).
 
 * ``_gate_kernel``: gamma = mean of GELU(gate half) per (row, head), or
   sigmoid(gamma) for ``gated_sum``.
-* ``_segment_softmax_kernel``: gamma -> softmax over the centre's segment
-  (``gate_group="centre"``), in place;
-* ``_segment_sum_kernel``: per-segment column sums (d_centre, and the
-  centre-gate backward's sum of w·a); both take BLOCK_S segments a program.
-* ``_receive_kernel``: a program takes BLOCK_G (chunk, receiver) groups of
-  the plan (channels flat, c = head·D + dim): reduces each group's messages
-  and merges the result into the running per-receiver state, so chunks merge
-  in chunk order: a sum (``sum``,
-  ``mean``, the gated ones, d_receiver_term), an online softmax (running max
-  M, sum L and accumulator; ``weighted_mean`` over receivers) or a running
-  max with its tie count (``max``, on messages rounded to the output type).
+* ``_reduce_kernel``: one launch per item class (slots of 2^k rows): a
+  program gathers BLOCK_G items' rows whole (through ``rrow`` for receivers,
+  directly for segments), reduces each item with ``tl.sum`` / ``tl.max`` over
+  its slot (one step unless the slot is taller than the tile) and either
+  merges the result into the destination's running state (an item that is a
+  whole group: the only writer of that destination in this chunk) or stores it
+  as a partial state in a scratch slot (a piece of a split group).
+* ``_merge_kernel``: per split group, its pieces' partial states in slot
+  order, BLOCK_P at a time (each block a fixed tree), merged into the running
+  state.
+* ``_normalize_kernel``: the centre softmax's second pass, exp(gamma - M) / L
+  per row from its segment's log-sum-exp state.
+
+Modes (the running state): a sum (``sum``, ``mean``, the gated ones, the
+backward's sums), an online softmax (running max M, sum L and accumulator;
+``weighted_mean`` over receivers), a log-sum-exp (M and L only; the centre
+softmax) or a running max with its tie key and count (``max``: the maximum of
+the messages rounded to the output type; the key is the largest
+pre-activation among the messages attaining it, and the messages with that
+pre-activation tie: docs/design.md, "Max ties"; merged with ``_max_step``).
+Every value is combined in an order fixed by the plan (items, then slots,
+then chunks in chunk order): no atomics, bitwise reproducible.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import cast
 from nt_kernels.backends.triton.ntconv_gemm import gelu
+from nt_kernels.backends.triton.ntconv_plan import merge_tiles, normalize_tiles, reduce_tiles
 
-__all__ = ["AGG_GATED", "AGG_MAX", "AGG_SOFTMAX", "AGG_SUM", "gate_values", "receive", "segment_softmax",
-           "segment_sum", "tile_shape"]
+__all__ = ["AGG_GATED", "AGG_LSE", "AGG_MAX", "AGG_SOFTMAX", "AGG_SUM", "State", "gate_values", "receive", "reduce",
+           "segment_softmax", "segment_sum", "tile_shape"]
 
-AGG_SUM, AGG_GATED, AGG_SOFTMAX, AGG_MAX = 0, 1, 2, 3
-TILE_ELEMENTS = 4096  # rows x BLOCK_H x BLOCK_D per tile
+AGG_SUM, AGG_GATED, AGG_SOFTMAX, AGG_MAX, AGG_LSE = range(5)
+# Planes of a piece's partial state in scratch: 0 the sum (max: the peak), 1 the softmax max (max: the tie
+# key), 2 the softmax sum (max: the tie count), 3 the max's NaN flag.
+PLANES = {AGG_SUM: 1, AGG_GATED: 1, AGG_SOFTMAX: 3, AGG_MAX: 4, AGG_LSE: 3}
+TILE_ELEMENTS = 4096  # rows x BLOCK_H x BLOCK_D per tile of the gate kernel
 
 
 def tile_shape(heads: int, dim: int, elements: int = TILE_ELEMENTS) -> tuple[int, int, int]:
@@ -42,12 +62,6 @@ def tile_shape(heads: int, dim: int, elements: int = TILE_ELEMENTS) -> tuple[int
     return max(1, min(32, elements // (bh * bd))), bh, bd
 
 
-def _one_config():
-    # One config, so the autotuner never reruns these kernels (some update their outputs in place).
-    return [triton.Config({}, num_warps=4)]
-
-
-@triton.autotune(configs=_one_config(), key=["H", "D"])
 @triton.jit
 def _gate_kernel(y, gate, R, H, D, C_OUT, SIGMOID: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -70,146 +84,268 @@ def _finite_or_zero(m):
 
 
 @triton.jit
-def _segment_block(rowptr, num_segments, BLOCK_S: tl.constexpr):
-    """First rows and sizes of this program's BLOCK_S segments (size 0 past the end)."""
-    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    valid = s < num_segments
-    first = tl.load(rowptr + s, mask=valid, other=0)
-    return s, valid, first, tl.load(rowptr + s + 1, mask=valid, other=0) - first
-
-
-@triton.autotune(configs=_one_config(), key=["H"])
-@triton.jit
-def _segment_softmax_kernel(gate, rowptr, num_segments, H, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                            BLOCK_H: tl.constexpr):
-    # BLOCK_S segments per program.  Pass 1: online max and sum of exp over each segment's rows;
-    # pass 2: normalise in place.
-    s, valid, first, size = _segment_block(rowptr, num_segments, BLOCK_S)
-    h = tl.arange(0, BLOCK_H)
-    longest = tl.max(size, axis=0)
-    m = tl.full([BLOCK_S, BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_S, BLOCK_H], tl.float32)
-    for e0 in range(0, longest, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        mask = (e[None, :] < size[:, None])[:, :, None] & (h < H)[None, None, :]
-        offs = (first[:, None] + e[None, :])[:, :, None] * H + h[None, None, :]
-        g = tl.load(gate + offs, mask=mask, other=float("-inf"))
-        m_new = _finite_or_zero(tl.maximum(m, tl.max(g, axis=1)))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(g - m_new[:, None, :]), axis=1)
-        m = m_new
-    for e0 in range(0, longest, BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        mask = (e[None, :] < size[:, None])[:, :, None] & (h < H)[None, None, :]
-        offs = (first[:, None] + e[None, :])[:, :, None] * H + h[None, None, :]
-        g = tl.load(gate + offs, mask=mask, other=0.0)
-        tl.store(gate + offs, tl.exp(g - m[:, None, :]) / tl.where(mask, total[:, None, :], 1.0), mask=mask)
-
-
-@triton.autotune(configs=_one_config(), key=["W"])
-@triton.jit
-def _segment_sum_kernel(x, rowptr, out, num_segments, W, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_W: tl.constexpr):
-    # out[s, w] = sum over the rows of segment s of x[row, w], in row order (BLOCK_S segments per program).
-    s, valid, first, size = _segment_block(rowptr, num_segments, BLOCK_S)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    total = tl.zeros([BLOCK_S, BLOCK_W], tl.float32)
-    for e0 in range(0, tl.max(size, axis=0), BLOCK_E):
-        e = e0 + tl.arange(0, BLOCK_E)
-        mask = (e[None, :] < size[:, None])[:, :, None] & (w < W)[None, None, :]
-        offs = (first[:, None] + e[None, :])[:, :, None] * W + w[None, None, :]
-        total += tl.sum(tl.load(x + offs, mask=mask, other=0.0), axis=1)
-    tl.store(out + s[:, None].to(tl.int64) * W + w[None, :], total, mask=valid[:, None] & (w < W)[None, :])
+def _softmax_step(m_i, l_i, total, m_b, l_b, t_b, WITH_TOTAL: tl.constexpr):
+    """Online softmax: the running (max, sum, accumulator) merged with a block's, both relative to
+    their own max."""
+    m_new = _finite_or_zero(tl.maximum(m_i, m_b))
+    a_old = tl.exp(m_i - m_new)
+    a_new = tl.exp(m_b - m_new)
+    if WITH_TOTAL:
+        total = total * a_old + t_b * a_new
+    return m_new, l_i * a_old + l_b * a_new, total
 
 
 @triton.jit
-def _merge_softmax(acc, run_max, run_sum, node, head, first_d, mask, total, m_i, l_i):
-    """Merge groups' online-softmax state (per channel; equal across a head's channels) into the
-    receivers' running state; the per-head max and sum are stored from each head's first channel."""
-    old_m = tl.load(run_max + head, mask=mask, other=float("-inf"))
-    old_l = tl.load(run_sum + head, mask=mask, other=0.0)
-    old_acc = tl.load(acc + node, mask=mask, other=0.0)
-    new_m = _finite_or_zero(tl.maximum(old_m, m_i))
-    a_old = tl.exp(old_m - new_m)
-    a_new = tl.exp(m_i - new_m)
-    tl.store(run_max + head, new_m, mask=mask & first_d)
-    tl.store(run_sum + head, old_l * a_old + l_i * a_new, mask=mask & first_d)
-    tl.store(acc + node, old_acc * a_old + total * a_new, mask=mask)
+def _max_step(peak, key, ties, new_peak, new_key, new_ties):
+    """Running (max, tie key, tie count) merged with another's: the larger max wins; at an equal
+    max the larger key wins, and equal keys add their counts.  Order-independent."""
+    above = new_peak > peak
+    level = new_peak == peak
+    take = above | (level & (new_key > key))
+    ties = tl.where(take, new_ties, tl.where(level & (new_key == key), ties + new_ties, ties))
+    return tl.maximum(peak, new_peak), tl.where(take, new_key, key), ties
 
 
 @triton.jit
-def _merge_max(acc, count, node, mask, peak, ties, has_nan):
-    """Merge groups' max, tie count and NaN flag into the receivers' running max and count."""
-    old = tl.load(acc + node, mask=mask, other=float("-inf"))
-    old_ties = tl.load(count + node, mask=mask, other=0.0)
-    ties = tl.where(peak > old, ties, tl.where(peak == old, old_ties + ties, old_ties))
-    nan = (has_nan > 0) | (old != old)
-    tl.store(acc + node, tl.where(nan, float("nan"), tl.maximum(old, peak)), mask=mask)
-    tl.store(count + node, ties, mask=mask)
+def _max_block(v, pre, mask, weight, AXIS: tl.constexpr):
+    """(max, tie key, tie count) over ``AXIS`` of a block: v the candidates (NaN and masked lanes
+    already -inf), pre their keys, weight the count each candidate stands for."""
+    peak = tl.max(v, axis=AXIS)
+    at_peak = mask & (v == tl.expand_dims(peak, AXIS))
+    key = tl.max(tl.where(at_peak, pre, float("-inf")), axis=AXIS)
+    ties = tl.sum(tl.where(at_peak & (pre == tl.expand_dims(key, AXIS)), weight, 0.0), axis=AXIS)
+    return peak, key, ties
 
 
-@triton.autotune(configs=_one_config(), key=["H", "D", "MODE", "APPLY_GELU"])
 @triton.jit
-def _receive_kernel(x, gate, groups, rrow, acc, run_max, run_sum, count, out_type, group0, num_groups, H, D,
-                    ROW, HEAD_STRIDE, VALUE_OFF, MODE: tl.constexpr, APPLY_GELU: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                    BF16_EMU: tl.constexpr):
-    # Step 1: BLOCK_G groups (one receiver each) and their rows rrow[first:end] in this chunk;
-    # channel c is (head c // D, dim c % D), read at column head * HEAD_STRIDE + VALUE_OFF + dim.
+def _merge_state(acc, run_max, run_sum, count, node, mask, KEY_OFF, MODE: tl.constexpr, total, m_i, l_i, key, ties,
+                 has_nan):
+    """Merge a destination's reduced state into its running state in global memory (read, combine,
+    write; the caller is the only writer of ``node`` at this point, and each element is read and
+    written by the same thread).  Softmax and log-sum-exp keep M and L per channel (equal across a
+    head's channels), so channel blocks never share an element."""
+    if MODE == 0 or MODE == 1:
+        tl.store(acc + node, tl.load(acc + node, mask=mask, other=0.0) + total, mask=mask)
+    elif MODE == 2 or MODE == 4:
+        old_m = tl.load(run_max + node, mask=mask, other=float("-inf"))
+        old_l = tl.load(run_sum + node, mask=mask, other=0.0)
+        old_acc = tl.load(acc + node, mask=mask, other=0.0) if MODE == 2 else total
+        new_m, new_l, new_acc = _softmax_step(old_m, old_l, old_acc, m_i, l_i, total, MODE == 2)
+        tl.store(run_max + node, new_m, mask=mask)
+        tl.store(run_sum + node, new_l, mask=mask)
+        if MODE == 2:
+            tl.store(acc + node, new_acc, mask=mask)
+    else:  # count[node]: the tie counts, count[KEY_OFF + node]: the tie keys
+        old = tl.load(acc + node, mask=mask, other=float("-inf"))
+        old_key = tl.load(count + KEY_OFF + node, mask=mask, other=float("-inf"))
+        old_ties = tl.load(count + node, mask=mask, other=0.0)
+        new_peak, new_key, new_ties = _max_step(old, old_key, old_ties, m_i, key, ties)
+        nan = (has_nan > 0) | (old != old)
+        tl.store(acc + node, tl.where(nan, float("nan"), new_peak), mask=mask)
+        tl.store(count + KEY_OFF + node, new_key, mask=mask)
+        tl.store(count + node, new_ties, mask=mask)
+
+
+@triton.jit
+def _store_part(part, slot, mask, PLANE, MODE: tl.constexpr, total, m_i, l_i, key, ties, has_nan):
+    """A piece's partial state into its scratch slot (planes: see PLANES)."""
+    if MODE == 3:
+        tl.store(part + slot, m_i, mask=mask)
+        tl.store(part + PLANE + slot, key, mask=mask)
+        tl.store(part + 2 * PLANE + slot, ties, mask=mask)
+        tl.store(part + 3 * PLANE + slot, has_nan.to(tl.float32), mask=mask)
+    else:
+        if MODE != 4:
+            tl.store(part + slot, total, mask=mask)
+        if MODE == 2 or MODE == 4:
+            tl.store(part + PLANE + slot, m_i, mask=mask)
+            tl.store(part + 2 * PLANE + slot, l_i, mask=mask)
+
+
+@triton.jit
+def _reduce_kernel(x, gate, items, rrow, acc, run_max, run_sum, count, part, out_type, item0, num_items, C, H, D,
+                   ROW, KEY_OFF, PLANE, MODE: tl.constexpr, APPLY_GELU: tl.constexpr, GATHER: tl.constexpr,
+                   SLOT_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BF16_EMU: tl.constexpr):
+    # Step 1: BLOCK_G items (dest, first, end) of one size class (at most SLOT_ROWS rows each) and
+    # BLOCK_C channels; channel c is (head c // D, dim c % D), for the gated modes at column
+    # head * 2D + D + dim (the value half).
     gi = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g = (group0 + gi).to(tl.int64)
-    g_valid = gi < num_groups
-    recv = tl.load(groups + 3 * g, mask=g_valid, other=0).to(tl.int64)
-    first = tl.load(groups + 3 * g + 1, mask=g_valid, other=0)
-    length = tl.load(groups + 3 * g + 2, mask=g_valid, other=0) - first
-    c = tl.arange(0, BLOCK_C)
+    g_valid = gi < num_items
+    it = (item0 + gi).to(tl.int64) * 3
+    dest = tl.load(items + it, mask=g_valid, other=0)
+    first = tl.load(items + it + 1, mask=g_valid, other=0)
+    length = tl.load(items + it + 2, mask=g_valid, other=0) - first
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_valid = c < C
     head = c // D
-    c_valid = c < H * D
-    col = head * HEAD_STRIDE + VALUE_OFF + (c - head * D)
+    col = head * 2 * D + D + (c - head * D) if (MODE == 1 or MODE == 2) else c
     total = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-    m_i = tl.full([BLOCK_G, BLOCK_C], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_G, BLOCK_C], float("-inf"), tl.float32)  # softmax: running max; max: the peak
     l_i = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    key = tl.full([BLOCK_G, BLOCK_C], float("-inf"), tl.float32)
     ties = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
     has_nan = tl.zeros([BLOCK_G, BLOCK_C], tl.int32)
-    # Step 2: reduce the groups' rows, BLOCK_E per group at a time, in row order.
-    for e0 in range(0, tl.max(length, axis=0), BLOCK_E):
+    # Step 2: the items' rows, BLOCK_E per item at a time in position order, each row read whole.
+    for e0 in range(0, SLOT_ROWS, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         e_valid = e[None, :] < length[:, None]
-        rows = tl.load(rrow + first[:, None] + e[None, :], mask=e_valid, other=0).to(tl.int64)
+        pos = first[:, None] + e[None, :]
+        if GATHER:
+            rows = tl.load(rrow + pos, mask=e_valid, other=0).to(tl.int64)
+        else:
+            rows = pos.to(tl.int64)
         mask = e_valid[:, :, None] & c_valid[None, None, :]
-        v = tl.load(x + rows[:, :, None] * ROW + col[None, None, :], mask=mask, other=0.0).to(tl.float32)
-        if APPLY_GELU:
-            v = gelu(v)
+        pre = tl.load(x + rows[:, :, None] * ROW + col[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        v = gelu(pre) if APPLY_GELU else pre
         if MODE == 0:  # AGG_SUM
             total += tl.sum(v, axis=1)
         elif MODE == 1:  # AGG_GATED: weights precomputed per (row, head)
             w = tl.load(gate + rows[:, :, None] * H + head[None, None, :], mask=mask, other=0.0)
             total += tl.sum(w * v, axis=1)
-        elif MODE == 2:  # AGG_SOFTMAX: online softmax of gamma per head
-            gam = tl.load(gate + rows[:, :, None] * H + head[None, None, :], mask=mask, other=float("-inf"))
-            m_new = _finite_or_zero(tl.maximum(m_i, tl.max(gam, axis=1)))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(gam - m_new[:, None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            total = total * alpha + tl.sum(p * v, axis=1)
-            m_i = m_new
-        else:  # AGG_MAX on messages rounded to the output type; NaN tracked apart (m_i: the peak)
+        elif MODE == 2 or MODE == 4:  # AGG_SOFTMAX (of gamma per head) / AGG_LSE (of v itself)
+            if MODE == 2:
+                gam = tl.load(gate + rows[:, :, None] * H + head[None, None, :], mask=mask, other=float("-inf"))
+            else:
+                gam = tl.where(mask, v, float("-inf"))
+            m_b = _finite_or_zero(tl.max(gam, axis=1))
+            p = tl.exp(gam - m_b[:, None, :])
+            m_i, l_i, total = _softmax_step(m_i, l_i, total, m_b, tl.sum(p, axis=1), tl.sum(p * v, axis=1),
+                                            MODE == 2)
+        else:  # AGG_MAX on messages rounded to the output type, ties on pre; NaN tracked apart
             v = cast(v, out_type.dtype.element_ty, BF16_EMU).to(tl.float32)
             has_nan |= tl.max((mask & (v != v)).to(tl.int32), axis=1)
             v = tl.where(mask & (v == v), v, float("-inf"))
-            block_peak = tl.max(v, axis=1)
-            block_ties = tl.sum(tl.where(mask & (v == block_peak[:, None, :]), 1.0, 0.0), axis=1)
-            ties = tl.where(block_peak > m_i, block_ties, tl.where(block_peak == m_i, ties + block_ties, ties))
-            m_i = tl.maximum(m_i, block_peak)
-    # Step 3: merge into the receivers' running state (each receiver in one group per chunk).
+            b_peak, b_key, b_ties = _max_block(v, pre, mask, 1.0, 1)
+            m_i, key, ties = _max_step(m_i, key, ties, b_peak, b_key, b_ties)
+    # Step 3: a whole group merges into its destination's running state, a piece stores its partial state.
     mask = g_valid[:, None] & c_valid[None, :]
-    node = recv[:, None] * (H * D) + c[None, :]
-    if MODE == 2:
-        per_head = recv[:, None] * H + head[None, :]
-        _merge_softmax(acc, run_max, run_sum, node, per_head, (c - head * D == 0)[None, :], mask, total, m_i, l_i)
-    elif MODE == 3:
-        _merge_max(acc, count, node, mask, m_i, ties, has_nan)
-    else:
-        tl.store(acc + node, tl.load(acc + node, mask=mask, other=0.0) + total, mask=mask)
+    whole = dest[:, None] >= 0
+    node = dest[:, None].to(tl.int64) * C + c[None, :]
+    _merge_state(acc, run_max, run_sum, count, node, mask & whole, KEY_OFF, MODE, total, m_i, l_i, key, ties,
+                 has_nan)
+    slot = (-1 - dest[:, None]).to(tl.int64) * C + c[None, :]
+    _store_part(part, slot, mask & (dest[:, None] < 0), PLANE, MODE, total, m_i, l_i, key, ties, has_nan)
+
+
+@triton.jit
+def _merge_kernel(splits, part, acc, run_max, run_sum, count, split0, C, KEY_OFF, PLANE, MODE: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Step 1: one split group (dest, slot0, slot1) and BLOCK_C channels.
+    g = (split0 + tl.program_id(0)).to(tl.int64) * 3
+    dest = tl.load(splits + g).to(tl.int64)
+    slot0 = tl.load(splits + g + 1)
+    slot1 = tl.load(splits + g + 2)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_valid = c < C
+    total = tl.zeros([BLOCK_C], tl.float32)
+    m_i = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_C], tl.float32)
+    key = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    ties = tl.zeros([BLOCK_C], tl.float32)
+    has_nan = tl.zeros([BLOCK_C], tl.int32)
+    # Step 2: the pieces' partial states, BLOCK_P slots at a time in slot order.
+    for p0 in range(slot0, slot1, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < slot1)[:, None] & c_valid[None, :]
+        offs = p[:, None].to(tl.int64) * C + c[None, :]
+        if MODE == 0 or MODE == 1:
+            total += tl.sum(tl.load(part + offs, mask=mask, other=0.0), axis=0)
+        elif MODE == 2 or MODE == 4:
+            m_p = tl.load(part + PLANE + offs, mask=mask, other=float("-inf"))
+            m_b = _finite_or_zero(tl.max(m_p, axis=0))
+            scale = tl.exp(m_p - m_b[None, :])
+            l_b = tl.sum(tl.load(part + 2 * PLANE + offs, mask=mask, other=0.0) * scale, axis=0)
+            t_b = tl.sum(tl.load(part + offs, mask=mask, other=0.0) * scale, axis=0) if MODE == 2 else total
+            m_i, l_i, total = _softmax_step(m_i, l_i, total, m_b, l_b, t_b, MODE == 2)
+        else:
+            peak_p = tl.load(part + offs, mask=mask, other=float("-inf"))
+            key_p = tl.load(part + PLANE + offs, mask=mask, other=float("-inf"))
+            ties_p = tl.load(part + 2 * PLANE + offs, mask=mask, other=0.0)
+            has_nan |= (tl.max(tl.load(part + 3 * PLANE + offs, mask=mask, other=0.0), axis=0) > 0).to(tl.int32)
+            b_peak, b_key, b_ties = _max_block(peak_p, key_p, mask, ties_p, 0)
+            m_i, key, ties = _max_step(m_i, key, ties, b_peak, b_key, b_ties)
+    # Step 3: merge into the destination's running state.
+    _merge_state(acc, run_max, run_sum, count, dest * C + c, c_valid, KEY_OFF, MODE, total, m_i, l_i, key, ties,
+                 has_nan)
+
+
+@triton.jit
+def _normalize_kernel(gate, seg_of_row, run_max, run_sum, seg0, R, H, BLOCK_R: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    # gate[r, h] = exp(gate[r, h] - M[s, h]) / L[s, h] for the segment s of row r, in place.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.arange(0, BLOCK_H)
+    mask = (r < R)[:, None] & (h < H)[None, :]
+    s = tl.load(seg_of_row + r, mask=r < R, other=seg0) - seg0
+    offs = r[:, None].to(tl.int64) * H + h[None, :]
+    state = s[:, None] * H + h[None, :]
+    g = tl.load(gate + offs, mask=mask, other=0.0)
+    m = tl.load(run_max + state, mask=mask, other=0.0)
+    total = tl.load(run_sum + state, mask=mask, other=1.0)
+    tl.store(gate + offs, tl.exp(g - m) / total, mask=mask)
+
+
+@dataclass
+class State:
+    """Running per-destination state of a reduction (fp32): the accumulator (rows, C), the softmax
+    max / sum (rows, C: per channel, equal across a head's channels) and the max's tie counts and
+    keys (2, rows, C), each where the mode needs it (the accumulator stands in for the others), and
+    a tensor of the output type (``max``)."""
+
+    acc: torch.Tensor
+    run_max: torch.Tensor = None
+    run_sum: torch.Tensor = None
+    count: torch.Tensor = None
+    out_type: torch.Tensor = None
+
+    def __post_init__(self):
+        for name in ("run_max", "run_sum", "count", "out_type"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.acc)
+
+    @classmethod
+    def empty(cls, rows: int, channels: int, mode: int, out_type: torch.Tensor):
+        """The state before any row: acc 0 (-inf for ``max``), M -inf, L 0, counts 0, keys -inf."""
+        dev = out_type.device
+        fill = float("-inf") if mode == AGG_MAX else 0.0
+        acc = torch.full((rows, channels), fill, dtype=torch.float32, device=dev)
+        state = cls(acc, out_type=out_type)
+        if mode in (AGG_SOFTMAX, AGG_LSE):
+            state.run_max = torch.full((rows, channels), float("-inf"), device=dev)
+            state.run_sum = torch.zeros((rows, channels), device=dev)
+        if mode == AGG_MAX:
+            state.count = torch.stack([torch.zeros((rows, channels), device=dev),
+                                       torch.full((rows, channels), float("-inf"), device=dev)])
+        return state
+
+
+def reduce(state: State, x: torch.Tensor, red, *, channels: int, heads: int, row: int, mode: int,
+           rrow: torch.Tensor | None = None, gate: torch.Tensor | None = None, apply_gelu: bool = False,
+           bf16_emu: bool = False) -> None:
+    """Merge the reduction list ``red`` (ntconv_plan.Reduction) of the rows of x (row stride ``row``)
+    into ``state``: rows through ``rrow`` (receivers) or x's own rows (segments)."""
+    dim = channels // heads
+    key_off = state.count[0].numel() if mode == AGG_MAX else 0
+    plane = red.slots * channels
+    # Only the max mode reads the output type; the others get an fp32 tensor, so that one compiled
+    # kernel serves every dtype.
+    out_type = state.out_type if mode == AGG_MAX else state.acc
+    part = (torch.empty((PLANES[mode], red.slots, channels), dtype=torch.float32, device=x.device)
+            if red.slots else state.acc)
+    for slot_rows, item0, num in red.classes():
+        t = reduce_tiles(channels, slot_rows)
+        _reduce_kernel[(triton.cdiv(num, t.block_g), triton.cdiv(channels, t.block_c))](
+            x, x if gate is None else gate, red.items, red.items if rrow is None else rrow, state.acc, state.run_max,
+            state.run_sum, state.count, part, out_type, item0, num, channels, heads, dim, row, key_off, plane,
+            MODE=mode, APPLY_GELU=apply_gelu, GATHER=rrow is not None, SLOT_ROWS=slot_rows, BLOCK_G=t.block_g,
+            BLOCK_E=t.block_e, BLOCK_C=t.block_c, BF16_EMU=bf16_emu and mode == AGG_MAX, num_warps=t.num_warps,
+            num_stages=t.num_stages)
+    if red.num_split:
+        block_p, block_c = merge_tiles(channels)
+        _merge_kernel[(red.num_split, triton.cdiv(channels, block_c))](
+            red.splits, part, state.acc, state.run_max, state.run_sum, state.count, red.split0, channels, key_off,
+            plane, MODE=mode, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4, num_stages=1)
 
 
 def gate_values(gate, y, rows, heads, dim, sigmoid):
@@ -218,40 +354,29 @@ def gate_values(gate, y, rows, heads, dim, sigmoid):
         return
     be, bh, bd = tile_shape(heads, dim)
     _gate_kernel[(triton.cdiv(rows, be),)](y, gate, rows, heads, dim, 2 * heads * dim, SIGMOID=sigmoid,
-                                           BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd)
+                                           BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd, num_warps=4, num_stages=1)
 
 
-SEGMENTS_PER_PROGRAM = 16
+def receive(state: State, x, chunk, *, channels, heads, row, mode, apply_gelu, gate=None, bf16_emu=False):
+    """Merge the chunk's rows of x into the running per-receiver ``state``, in receiver order."""
+    reduce(state, x, chunk.receivers, channels=channels, heads=heads, row=row, mode=mode, rrow=chunk.rrow,
+           gate=gate, apply_gelu=apply_gelu, bf16_emu=bf16_emu)
 
 
-def segment_softmax(gate, rowptr, num_segments, heads):
-    """In place: gate (rows, H) -> its softmax over each segment of the chunk-local ``rowptr``."""
-    if num_segments:
-        bh = triton.next_power_of_2(heads)
-        bs = SEGMENTS_PER_PROGRAM
-        _segment_softmax_kernel[(triton.cdiv(num_segments, bs),)](gate, rowptr, num_segments, heads, BLOCK_S=bs,
-                                                                 BLOCK_E=max(1, min(16, 256 // bh)), BLOCK_H=bh)
+def segment_sum(out, x, chunk, width):
+    """out (segments, width) += per-segment column sums of the chunk's rows of x (rows, width), fp32;
+    out's row s is the chunk's segment s."""
+    reduce(State(out), x, chunk.segments, channels=width, heads=width, row=width, mode=AGG_SUM)
 
 
-def segment_sum(out, x, rowptr, num_segments, width):
-    """out (segments, width) = per-segment column sums of x (rows, width), fp32."""
-    if num_segments:
-        bw = min(triton.next_power_of_2(width), 256)
-        bs = SEGMENTS_PER_PROGRAM
-        _segment_sum_kernel[(triton.cdiv(num_segments, bs), triton.cdiv(width, bw))](
-            x, rowptr, out, num_segments, width, BLOCK_S=bs, BLOCK_E=max(1, min(8, TILE_ELEMENTS // (bs * bw))),
-            BLOCK_W=bw)
-
-
-def receive(state, x, chunk, groups, *, heads, dim, row, head_stride, value_off, mode, apply_gelu,
-            gate=None, bf16_emu=False):
-    """Merge the chunk's rows of x into the running per-receiver ``state`` (ntconv_op.ReceiverState)."""
-    if chunk.num_groups == 0:
+def segment_softmax(gate, chunk, seg_of_row, heads):
+    """In place: gate (rows, H) -> its softmax over each of the chunk's segments."""
+    num_seg = chunk.seg1 - chunk.seg0
+    if chunk.rows == 0 or num_seg == 0:
         return
-    bc = triton.next_power_of_2(heads * dim)
-    be = 4 if bc <= 256 else 2
-    bg = max(1, min(16, TILE_ELEMENTS // (be * bc)))
-    _receive_kernel[(triton.cdiv(chunk.num_groups, bg),)](
-        x, x if gate is None else gate, groups, chunk.rrow, state.acc, state.run_max, state.run_sum,
-        state.count, state.out_type, chunk.group0, chunk.num_groups, heads, dim, row, head_stride, value_off,
-        MODE=mode, APPLY_GELU=apply_gelu, BLOCK_G=bg, BLOCK_E=be, BLOCK_C=bc, BF16_EMU=bf16_emu)
+    state = State.empty(num_seg, heads, AGG_LSE, gate)
+    reduce(state, gate, chunk.segments, channels=heads, heads=heads, row=heads, mode=AGG_LSE)
+    block_r, block_h = normalize_tiles(heads)
+    _normalize_kernel[(triton.cdiv(chunk.rows, block_r),)](
+        gate, seg_of_row, state.run_max, state.run_sum, chunk.seg0, chunk.rows, heads, BLOCK_R=block_r,
+        BLOCK_H=block_h, num_warps=4, num_stages=1)

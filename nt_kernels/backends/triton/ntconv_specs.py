@@ -1,67 +1,150 @@
 """Compile specs of the fused NT layer's Triton kernels, for ahead-of-time checks without a GPU.
 
 :func:`compile_specs` lists, for one operand dtype, every kernel launch
-shape the launchers produce at their largest tiles: (name, kernel, argument
-types, launch constexprs).  With a config of ``kernel.configs`` it is what
-``triton.compile(ASTSource(kernel.fn, signature, constexprs))`` needs, the way
-scripts/triton_check.py compiles the exact kernels.  tests/test_ntconv_triton.py
-checks that every spec names each kernel argument exactly once.
+shape the launchers produce at their largest tiles (and, for the kernels
+whose tiles come from the plan, at the layer shapes below): (name, kernel,
+argument types, launch constexprs, launch options).  :func:`launches` turns
+a spec into what ``triton.compile(ASTSource(fn, signature, constexprs),
+options=...)`` needs, once per autotuning config (autotuned kernels) or once
+with the plan's options (the others); scripts/triton_check.py compiles them
+with ``--fused``.  tests/test_ntconv_triton.py checks that every spec names
+each kernel argument exactly once.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_reduce
+import torch
 
-__all__ = ["Spec", "compile_specs"]
+from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_plan, ntconv_reduce, ntconv_wgrad
+from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles
+
+__all__ = ["LAYER_SHAPES", "Spec", "compile_specs", "launches"]
+
+# (C, F, C_out) of the layer shapes whose plan-chosen tiles are compiled: narrow, the tolokers preset's
+# C = 60 (gated: C_out = 2C), C = 64 with wide edge features, C = 128, and the widest tiles (C >= 256).
+LAYER_SHAPES = ((16, 3, 16), (60, 0, 120), (64, 32, 128), (128, 16, 128), (256, 8, 512))
+TORCH_TYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class Spec(NamedTuple):
     name: str
-    kernel: object        # the autotuned kernel: .fn is the JITFunction, .configs its configs
+    kernel: object        # an autotuned kernel (.fn the JITFunction, .configs its configs) or a JITFunction
     types: dict           # runtime argument -> Triton type string ("*bf16", "i32", ...)
     constexprs: dict      # launch constexprs besides the config's
+    options: dict | None = None  # num_warps / num_stages of a kernel launched without autotuning
+
+
+def launches(spec: Spec) -> list[tuple[object, dict, dict]]:
+    """(JITFunction, constexprs, compile options) of every launch variant of ``spec``: one per
+    autotuning config, or the spec's own options for a kernel whose tiles come from the plan."""
+    if spec.options is not None:
+        return [(spec.kernel, dict(spec.constexprs), dict(spec.options))]
+    return [(spec.kernel.fn, dict(spec.constexprs, **config.kwargs),
+             {"num_warps": config.num_warps, "num_stages": config.num_stages}) for config in spec.kernel.configs]
+
+
+def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
+    """The prologue and the weight-gradient kernels at the tiles the plan picks for LAYER_SHAPES."""
+    prologue = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, b_qkv=t, receiver="*i64", perm="*i64",
+                    seg_of_row="*i64", qkv=t, z_out=t, jac_out="*fp32", row0="i32", R="i32", C="i32",
+                    F="i32", seed_word="i64", threshold="i32", drop_scale="fp32")
+    wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", M="i32", N="i32", A_SPLIT="i32", A_PART="i64",
+                 A_ROW="i32", B_ROW="i32", row0="i32")
+    dot = dict(base, DOT_DTYPE=ntconv_wgrad.TL_DTYPES[getattr(torch, TORCH_TYPES[dtype])])
+    specs = []
+    for c, f, c_out in LAYER_SHAPES:
+        tiles = prologue_tiles(c, f)
+        specs += [Spec(f"prologue{'_bwd' if store else ''} C{c} F{f}", ntconv_gemm._prologue_kernel, prologue,
+                       dict(base, BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c, BLOCK_N=tiles.block_n,
+                            BLOCK_F=tiles.block_f, HAS_EDGE=f > 0, DROPOUT=True, STORE_Z=store),
+                       dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+                  for store in (False, True)]
+        uses = [("w_qkv", 3 * c, c, dict(wgrad, a=t), True, False),          # A = dqkv, B = z
+                ("w_out", c_out, c, dict(wgrad, a="*fp32"), True, False),   # A = dy, B = o
+                ("w_edge", c, f, dict(wgrad, a="*fp32"), False, True)]      # A = du, B = edge_attr[perm]
+        for name, m, n, types, bias, gather in uses:
+            if n == 0:
+                continue
+            w = weight_grad_tiles(1 << 20, m, n)
+            specs.append(Spec(f"weight_grad {name} C{c} F{f}", ntconv_wgrad._weight_grad_kernel, types,
+                              dict(dot, SPLIT_ROWS=w.split_rows, BLOCK_R=w.block_r, BLOCK_M=w.block_m,
+                                   BLOCK_N=w.block_n, HAS_BIAS=bias, GATHER=gather),
+                              dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
+    specs += [Spec(f"combine{' bias' if bias else ''}", ntconv_wgrad._combine_kernel,
+                   dict(partials="*fp32", w_acc="*fp32", b_acc="*fp32", S="i32", M="i32", N="i32"),
+                   dict(HAS_BIAS=bias, BLOCK_S=ntconv_wgrad.COMBINE_SPLITS, BLOCK=ntconv_wgrad.COMBINE_BLOCK),
+                   dict(num_warps=4, num_stages=2)) for bias in (False, True)]
+    return specs
 
 
 def compile_specs(dtype: str) -> list[Spec]:
     """Specs for operand type ``dtype`` ("fp32", "bf16" or "fp16"): parameters, q/k/v and ``out`` in it."""
     t = "*" + dtype
     base = dict(DOT_PREC="ieee", BF16_EMU=False)
-    prologue = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, b_qkv=t, receiver="*i64", perm="*i64",
-                    seg_of_row="*i64", qkv=t, z_out="*fp32", jac_out="*fp32", row0="i32", R="i32", C="i32",
-                    F="i32", seed_word="i64", threshold="i32", drop_scale="fp32")
     gemm = dict(a=t, w=t, bias=t, mul="*fp32", out="*fp32", R="i32", K="i32", N="i32", A_SPLIT="i32",
                 A_PART="i64", A_ROW="i32", W_K="i32", W_N="i32")
-    grad = dict(y="*fp32", g_out=t, out=t, stats="*fp32", recv_rowptr="*i64", gate="*fp32", seg_sum="*fp32",
-                seg_of_row="*i64", receiver="*i64", dy="*fp32", wa="*fp32", row0="i32", seg0="i32", R="i32",
-                H="i32", D="i32")
-    receive = dict(x="*fp32", gate="*fp32", groups="*i32", rrow="*i32", acc="*fp32", run_max="*fp32",
-                   run_sum="*fp32", count="*fp32", out_type=t, group0="i32", num_groups="i32", H="i32", D="i32",
-                   ROW="i32", HEAD_STRIDE="i32", VALUE_OFF="i32")
+    grad = dict(y="*fp32", g_out=t, out=t, stats="*fp32", keys="*fp32", recv_rowptr="*i64", gate="*fp32",
+                seg_sum="*fp32", seg_of_row="*i64", receiver="*i64", dy="*fp32", wa="*fp32", row0="i32", seg0="i32",
+                R="i32", H="i32", D="i32")
     gemm_k = dict(base, BLOCK_N=128, BLOCK_K=ntconv_gemm.BLOCK_K)
-    specs = [Spec(f"prologue{'_bwd' if store else ''}", ntconv_gemm._prologue_kernel, prologue,
-                  dict(base, BLOCK_N=256, BLOCK_K=ntconv_gemm.BLOCK_K, BLOCK_F=ntconv_gemm.BLOCK_F, HAS_EDGE=True,
-                       DROPOUT=True, STORE_Z=store)) for store in (False, True)]
+    specs = _plan_specs(dtype, t, base)
     specs += [Spec("gemm_y", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=True, HAS_MUL=False)),
               Spec("gemm_do", ntconv_gemm._rows_gemm_kernel, dict(gemm, a="*fp32", out=t),
                    dict(gemm_k, HAS_BIAS=False, HAS_MUL=False)),
-              Spec("gemm_du", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=True))]
+              Spec("gemm_du", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=True)),
+              Spec("gemm_d_edge", ntconv_gemm._rows_gemm_kernel, dict(gemm, a="*fp32"),
+                   dict(gemm_k, HAS_BIAS=False, HAS_MUL=False))]
     for heads, dim in ((16, 32), (1, 256)):
         be, bh, bd = ntconv_reduce.tile_shape(heads, dim)
         specs.append(Spec(f"gate H{heads} D{dim}", ntconv_reduce._gate_kernel,
                           dict(y="*fp32", gate="*fp32", R="i32", H="i32", D="i32", C_OUT="i32"),
-                          dict(SIGMOID=True, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd)))
+                          dict(SIGMOID=True, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd), dict(num_warps=4, num_stages=1)))
         be, bh, bd = ntconv_reduce.tile_shape(heads, dim, ntconv_grad.GRAD_TILE_ELEMENTS)
         specs += [Spec(f"message_grad{mode} H{heads} D{dim}", ntconv_grad._message_grad_kernel, grad,
-                       dict(MODE=mode, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd, BF16_EMU=False)) for mode in range(7)]
-    segments = ntconv_reduce.SEGMENTS_PER_PROGRAM
-    specs += [Spec("segment_softmax", ntconv_reduce._segment_softmax_kernel,
-                   dict(gate="*fp32", rowptr="*i64", num_segments="i32", H="i32"),
-                   dict(BLOCK_S=segments, BLOCK_E=16, BLOCK_H=16)),
-              Spec("segment_sum", ntconv_reduce._segment_sum_kernel,
-                   dict(x="*fp32", rowptr="*i64", out="*fp32", num_segments="i32", W="i32"),
-                   dict(BLOCK_S=segments, BLOCK_E=1, BLOCK_W=256))]
-    specs += [Spec(f"receive{mode}", ntconv_reduce._receive_kernel, receive,
-                   dict(MODE=mode, APPLY_GELU=True, BLOCK_G=4, BLOCK_E=2, BLOCK_C=512, BF16_EMU=False))
-              for mode in range(4)]
+                       dict(MODE=mode, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd)) for mode in range(7)]
+    return specs + _reduction_specs(t, all_modes=dtype == "fp32")
+
+
+# (name, mode, channels, APPLY_GELU, GATHER) of the segmented reductions the op runs: the forward's
+# receiver reduction of GELU(y) in every mode (tolokers' C = 60 and the widest tile, C = 256), the backward's
+# d_receiver_term (gathered) and d_centre (direct) sums of du, and the centre softmax's log-sum-exp over the
+# gates (C = H: 2 and 16).
+REDUCTIONS = ([(f"receive{m} C{c}", m, c, True, True) for m in range(4) for c in (60, 256)]
+              + [(f"d_receiver C{c}", 0, c, False, True) for c in (60, 256)]
+              + [(f"d_centre C{c}", 0, c, False, False) for c in (60, 256)]
+              + [(f"lse H{h}", 4, h, False, False) for h in (2, 16)])
+
+
+def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
+    """The reduce kernel at the smallest and tallest item class of every use in REDUCTIONS, the merge
+    kernel in every mode (0 and 1 share their code: mode 0 only), the centre softmax's normalisation.
+    Everything they read is fp32 except the max mode's output type (its rounding), so for other
+    operand dtypes (``all_modes`` False) only the max mode is compiled again (with the merge's max
+    mode and the normalisation, so that every dtype lists every kernel)."""
+    reduce_types = dict(x="*fp32", gate="*fp32", items="*i32", rrow="*i32", acc="*fp32", run_max="*fp32",
+                        run_sum="*fp32", count="*fp32", part="*fp32", out_type=t, item0="i32", num_items="i32",
+                        C="i32", H="i32", D="i32", ROW="i32", KEY_OFF="i32", PLANE="i32")
+    merge_types = dict(splits="*i32", part="*fp32", acc="*fp32", run_max="*fp32", run_sum="*fp32", count="*fp32",
+                       split0="i32", C="i32", KEY_OFF="i32", PLANE="i32")
+    specs = []
+    for name, mode, channels, gelu, gather in REDUCTIONS:
+        if mode != 3 and not all_modes:
+            continue
+        for slot_rows in (1, 1 << (ntconv_plan.REDUCE_CLASSES - 1)):
+            tiles = ntconv_plan.reduce_tiles(channels, slot_rows)
+            specs.append(Spec(f"reduce {name} S{slot_rows}", ntconv_reduce._reduce_kernel, reduce_types,
+                              dict(MODE=mode, APPLY_GELU=gelu, GATHER=gather, SLOT_ROWS=slot_rows,
+                                   BLOCK_G=tiles.block_g, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BF16_EMU=False),
+                              dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)))
+    merges = [(m, c) for m in (0, 2, 3) for c in (60, 256) if all_modes or m == 3] + ([(4, 16)] if all_modes else [])
+    for mode, channels in merges:
+        block_p, block_c = ntconv_plan.merge_tiles(channels)
+        specs.append(Spec(f"merge{mode} C{channels}", ntconv_reduce._merge_kernel, merge_types,
+                          dict(MODE=mode, BLOCK_P=block_p, BLOCK_C=block_c), dict(num_warps=4, num_stages=1)))
+    specs += [Spec(f"normalize H{h}", ntconv_reduce._normalize_kernel,
+                   dict(gate="*fp32", seg_of_row="*i64", run_max="*fp32", run_sum="*fp32", seg0="i32", R="i32",
+                        H="i32"),
+                   dict(zip(("BLOCK_R", "BLOCK_H"), ntconv_plan.normalize_tiles(h))), dict(num_warps=4, num_stages=1))
+              for h in (2, 16)]
     return specs

@@ -1,0 +1,136 @@
+"""Weight gradients of the fused NT layer's backward on CUDA: split-K over fixed row blocks.
+
+Every weight gradient of the layer is dW (M, N) += Aᵀ · B over a chunk's R
+packed rows, and its bias gradient db (M) += the column sums of A:
+
+| weight | A (R x M) | B (R x N) |
+|---|---|---|
+| w_qkv (3C, C), b_qkv | dq, dk, dv: the (3, R, C) buffer read as (R, 3C) | z, stored by the prologue |
+| w_out (C_out, C), b_out | dy (fp32) | o |
+| w_edge (C, F) | du (fp32) | edge_attr[perm[row]] (gathered) |
+
+Both operands are rounded to the parameters' dtype (what the forward's
+product ran in, as autocast's ``nn.Linear`` backward does) and multiplied on
+tensor cores with fp32 accumulation (``tl.dot``; float32 parameters at the
+op's float32 precision, "ieee" unless TF32 is allowed).  The bias sums ride
+along on the tensor cores too: Aᵀ times a (rows x 16) block of ones, whose
+first column is Σ_r A[r, m] (exact products, fp32 sums; full fp32 precision
+even where TF32 is allowed, as PyTorch's bias gradient is a plain sum).
+
+Algorithm (tiles from ``ntconv_plan.weight_grad_tiles``, never autotuned):
+
+1. ``_weight_grad_kernel``: program (i, j, s) reduces rows
+   [s·SPLIT_ROWS, (s+1)·SPLIT_ROWS) of the chunk in steps of BLOCK_R into a
+   BLOCK_M x BLOCK_N fp32 tile (and BLOCK_M bias sums) and writes it to
+   partials[s] (no atomics).  Each row of A is read once (dq, dk and dv in
+   one pass where they fit one tile); the output tiles of one row block are
+   neighbours in the grid (tile ids vary fastest), so they run together and
+   B's rows, which each of them reads, come from L2 after the first.
+2. ``_combine_kernel``: each output element adds partials[0..S) in split
+   order (blocks of BLOCK_S summed by ``tl.sum``, a fixed tree) to the running
+   fp32 gradient, which the op adds chunk by chunk in chunk order.
+
+The split boundaries depend only on the chunk's row count, so the result is
+bitwise the same run to run.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nt_kernels.backends.triton.common import cast, mm
+from nt_kernels.backends.triton.ntconv_plan import weight_grad_tiles
+
+__all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "weight_grad"]
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+COMBINE_BLOCK = 64    # output elements per combine program (w_qkv with C = 60: 172 programs)
+COMBINE_SPLITS = 64   # partials summed per step of the combine (512 splits: 8 steps)
+NUM_STAGES = 2        # software pipelining of the split kernel (at most 32 KB of shared memory: fits sm_89)
+ONES = tl.constexpr(16)  # columns of the ones block of the bias sums (the smallest tl.dot width)
+
+
+@triton.jit
+def _weight_grad_kernel(a, b, index, partials, R, M, N, A_SPLIT, A_PART, A_ROW, B_ROW, row0,
+                        SPLIT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    # A[r, m] at (m // A_SPLIT) A_PART + r A_ROW + m % A_SPLIT; B[r, n] at row(r) B_ROW + n with
+    # row(r) = index[row0 + r] when GATHER, else r.  partials is (splits, M, N + HAS_BIAS) fp32.
+    # Step 1: this program's output tile and its block of rows.
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
+    part = m // A_SPLIT
+    a_col = part.to(tl.int64) * A_PART + (m - part * A_SPLIT)
+    m_valid = m < M
+    n_valid = n < N
+    first = split * SPLIT_ROWS
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    bias = tl.zeros([BLOCK_M, ONES], tl.float32)
+    # Step 2: acc += A[rows]ᵀ · B[rows] over the block, BLOCK_R rows per tensor-core product.
+    for r0 in range(first, tl.minimum(first + SPLIT_ROWS, R), BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        valid = r < R
+        x = tl.load(a + r[:, None].to(tl.int64) * A_ROW + a_col[None, :], mask=valid[:, None] & m_valid[None, :],
+                    other=0.0)
+        row = tl.load(index + row0 + r, mask=valid, other=0) if GATHER else r.to(tl.int64)
+        y = tl.load(b + row[:, None] * B_ROW + n[None, :], mask=valid[:, None] & n_valid[None, :], other=0.0)
+        xt = tl.trans(cast(x, DOT_DTYPE, BF16_EMU))
+        acc += mm(xt, cast(y, DOT_DTYPE, BF16_EMU), DOT_PREC, BF16_EMU)
+        if HAS_BIAS:  # column sums of A: Aᵀ times ones (rows past R are 0 in A), never rounded to TF32
+            bias += mm(xt, tl.full([BLOCK_R, ONES], 1.0, DOT_DTYPE), "ieee", BF16_EMU)
+    # Step 3: the block's partial sums, written once; the bias sums (column 0 of ``bias``) as column N.
+    width = N + HAS_BIAS
+    base = partials + split.to(tl.int64) * M * width
+    tl.store(base + m[:, None] * width + n[None, :], acc, mask=m_valid[:, None] & n_valid[None, :])
+    if HAS_BIAS:
+        if tl.program_id(1) == 0:
+            first_column = tl.arange(0, ONES)[None, :] == 0
+            tl.store(base + m * width + N, tl.sum(tl.where(first_column, bias, 0.0), axis=1), mask=m_valid)
+
+
+@triton.jit
+def _combine_kernel(partials, w_acc, b_acc, S, M, N, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    # Step 1: the sum over splits 0..S of BLOCK flat elements of the (M, N + HAS_BIAS) partials, in split order.
+    width = N + HAS_BIAS
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < M * width
+    total = tl.zeros([BLOCK], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        tile = tl.load(partials + s[:, None].to(tl.int64) * M * width + i[None, :],
+                       mask=(s < S)[:, None] & valid[None, :], other=0.0)
+        total += tl.sum(tile, axis=0)
+    # Step 2: add into the running gradients: columns < N to dW, column N to db.
+    m = i // width
+    n = i - m * width
+    is_w = valid & (n < N)
+    w_offs = m * N + n
+    tl.store(w_acc + w_offs, tl.load(w_acc + w_offs, mask=is_w, other=0.0) + total, mask=is_w)
+    if HAS_BIAS:
+        is_b = valid & (n == N)
+        tl.store(b_acc + m, tl.load(b_acc + m, mask=is_b, other=0.0) + total, mask=is_b)
+
+
+def weight_grad(w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, a_row, b_row, dtype, dot_prec, bf16_emu,
+                index=None, row0=0):
+    """w_acc (m, n) += Aᵀ B and, when ``b_acc`` is given, b_acc (m) += column sums of A, over ``rows``
+    rows (strides as in ``_weight_grad_kernel``; B rows gathered through ``index[row0 + r]`` when
+    given), operands rounded to ``dtype``; both accumulators fp32 and contiguous."""
+    if rows == 0:
+        return
+    has_bias = b_acc is not None
+    t = weight_grad_tiles(rows, m, n)
+    partials = torch.empty((t.splits, m, n + has_bias), dtype=torch.float32, device=w_acc.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.splits)
+    _weight_grad_kernel[grid](a, b, b if index is None else index, partials, rows, m, n, a_split, a_part, a_row,
+                              b_row, row0, SPLIT_ROWS=t.split_rows, BLOCK_R=t.block_r, BLOCK_M=t.block_m,
+                              BLOCK_N=t.block_n, HAS_BIAS=has_bias, GATHER=index is not None,
+                              DOT_DTYPE=TL_DTYPES[dtype], DOT_PREC=dot_prec, BF16_EMU=bf16_emu,
+                              num_warps=t.num_warps, num_stages=NUM_STAGES)
+    _combine_kernel[(triton.cdiv(m * (n + has_bias), COMBINE_BLOCK),)](
+        partials, w_acc, w_acc if b_acc is None else b_acc, t.splits, m, n, HAS_BIAS=has_bias,
+        BLOCK_S=COMBINE_SPLITS, BLOCK=COMBINE_BLOCK, num_warps=4)
