@@ -7,7 +7,7 @@ SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
 # Real graphs (tests, bench, train): $NT_KERNELS_DATA, by default the shared data next to the checkout.
 export NT_KERNELS_DATA ?= $(abspath ../shared/data/heterophilous)
 
-.PHONY: install demo test bench check cuda-check cross-check triton-check gpu-bundle clean
+.PHONY: install demo test bench check cuda-check cross-check triton-check gpu-bundle gpu-dry-run clean
 
 install: $(STAMP)
 
@@ -32,13 +32,23 @@ CHECK_ARGS ?=
 check: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli check $(CHECK_ARGS)
 
-# What scripts/gpu_check.sh needs on a GPU machine besides the working tree, in
-# .gpu-bundle/ (git-ignored, <= 60 MiB): the extension prebuilt with GPU_PYTHON
-# (Python 3.12 + torch 2.11.0+cu130, the GPU machine's; a scratch venv, never
-# this environment) for sm_90, and the real graphs.  docs/results.md, "GPU: how to run".
+# What scripts/gpu_check.sh and scripts/gpu_perf.sh need on a GPU machine besides
+# the working tree, in .gpu-bundle/ (git-ignored, <= 60 MiB): the extension prebuilt
+# with GPU_PYTHON (Python 3.12 + torch 2.11.0+cu130, the GPU machine's; a scratch
+# venv, never this environment) for sm_90, the real graphs and (TRITON_AOT=1, the
+# default) the Triton cache for sm_90 compiled ahead with GPU_PYTHON's Triton.
+# docs/results.md, "GPU: how to run".
 GPU_PYTHON ?= /work/venv312/bin/python
+TRITON_AOT ?= 1
 gpu-bundle:
-	GPU_PYTHON=$(GPU_PYTHON) bash scripts/gpu_bundle.sh
+	GPU_PYTHON=$(GPU_PYTHON) TRITON_AOT=$(TRITON_AOT) bash scripts/gpu_bundle.sh
+
+# Both GPU scripts on this machine's CPU (their CUDA stages run cut-down CPU
+# versions of the same commands): no shell or Python error waits for a GPU.
+# tests/test_gpu_scripts.py runs the same.
+gpu-dry-run: $(STAMP)
+	OUT=gpu-out/check GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+	OUT=gpu-out/perf GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu_perf.sh
 
 # Compile every csrc/cuda/*.cu for sm_80 and sm_90 (no GPU needed) and
 # syntax-check the torch bindings; fails on a compile error or a register spill.
@@ -51,18 +61,24 @@ cuda-check:
 cross-check:
 	PYTHON=$(PYTHON) bash scripts/cross_check.sh
 
-# Compile every Triton kernel with every autotuning config for sm_90, or the
-# archs of --arch 80,89,90 (no GPU needed); fails on a compile error or when no
-# config of a setting fits the shared memory, the first (pinned) config does
-# not, or spills.  TRITON_CHECK_ARGS narrows it (CI: one head dim); see
+# Compile the exact-path Triton kernels as launched (no GPU needed): every entry
+# of the config table for its architecture, and each launch's config for sm_80,
+# 89 and 90 at the head dims of --block-d; fails on a compile error, a config
+# over the shared memory, or register spills of a table entry or of the
+# whole-row kernel.  TRITON_CHECK_ARGS narrows it (CI: one head dim); see
 # scripts/triton_check.py --help.
 # TRITON_TARGET=<dir> runs it with the triton installed there instead of this
 # environment's (`pip install --no-deps --target <dir> triton==3.6.0`: the GPU
 # machines' version).
+# Then the fused NT layer's kernels (scripts/ntconv_triton_check.py: the launch
+# shapes of ntconv_specs.compile_specs for sm_80, 89 and 90); NTCONV_CHECK_ARGS
+# narrows it (e.g. --arch 90 --no-spills).
 TRITON_CHECK_ARGS ?=
+NTCONV_CHECK_ARGS ?=
 TRITON_TARGET ?=
 triton-check: $(STAMP)
 	env -u TRITON_INTERPRET $(if $(TRITON_TARGET),PYTHONPATH=$(TRITON_TARGET)) $(PYTHON) scripts/triton_check.py $(TRITON_CHECK_ARGS)
+	env -u TRITON_INTERPRET $(if $(TRITON_TARGET),PYTHONPATH=$(TRITON_TARGET)) $(PYTHON) scripts/ntconv_triton_check.py $(NTCONV_CHECK_ARGS)
 
 clean:
 	rm -rf build

@@ -6,6 +6,13 @@
 #   .gpu-bundle/nt_kernels/_C.cpython-312-x86_64-linux-gnu.so   the extension, CUDA sm_90
 #   .gpu-bundle/data/{tolokers,minesweeper}.npz, LICENCE.txt     the real graphs
 #   .gpu-bundle/manifest.json                                    versions and the source hash
+#   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json     (TRITON_AOT=1, the default) the
+#        Triton kernels of scripts/gpu_check.sh's warm workload (every check row's kernels) and of
+#        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl),
+#        compiled for sm_90 here, with GPU_PYTHON's Triton, through scripts/gpu_triton.py's
+#        compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the fingerprint of the GPU
+#        machine's Triton (its source hash, ptxas, default options, cache-invalidating
+#        environment) equals this one, else the kernels compile there as before
 #
 # The extension is built here with GPU_PYTHON, a Python 3.12 whose torch is
 # the GPU machine's (2.11.0+cu130), and this machine's nvcc.  gpu_check.sh
@@ -13,7 +20,10 @@
 # (`bash scripts/gpu_bundle.sh --hash`) and it imports; otherwise it builds there.
 #
 # Environment: GPU_PYTHON (default /work/venv312/bin/python), DATA_SRC
-# (default $NT_KERNELS_DATA, else ../shared/data/heterophilous), CUDA_ARCHS (default 90), JOBS.
+# (default $NT_KERNELS_DATA, else ../shared/data/heterophilous), CUDA_ARCHS (default 90), JOBS,
+# TRITON_AOT (default 1; 0: no Triton cache).  `bash scripts/gpu_bundle.sh --triton-only`
+# rebuilds only the Triton cache of an existing bundle (after a change of the Triton kernels;
+# build/gpu-bundle-triton keeps every compiled kernel, so only changed ones compile again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +34,8 @@ if [ "${1:-}" = "--hash" ]; then
   source_hash
   exit 0
 fi
+triton_only=0
+[ "${1:-}" = "--triton-only" ] && triton_only=1
 
 GPU_PYTHON=${GPU_PYTHON:-/work/venv312/bin/python}
 DATA_SRC=${DATA_SRC:-${NT_KERNELS_DATA:-../shared/data/heterophilous}}
@@ -42,14 +54,49 @@ for graph in tolokers minesweeper; do
   [ -f "$DATA_SRC/$graph.npz" ] || { echo "gpu-bundle: $DATA_SRC/$graph.npz not found (set DATA_SRC)" >&2; exit 1; }
 done
 
-# The venv's bin first: its cmake and ninja (pip) when the system has none.
-PATH="$(dirname "$GPU_PYTHON"):$PATH" PYTHON="$GPU_PYTHON" bash scripts/build_extension.sh "$build" "$CUDA_ARCHS"
-rm -rf "$bundle"
-mkdir -p "$bundle/nt_kernels" "$bundle/data"
-cp "$build"/_C.cpython-312-*.so "$bundle/nt_kernels/"
-cp "$DATA_SRC"/tolokers.npz "$DATA_SRC"/minesweeper.npz "$bundle/data/"
-[ -f "$DATA_SRC/LICENCE.txt" ] && cp "$DATA_SRC/LICENCE.txt" "$bundle/data/"
-SOURCE_HASH=$(source_hash) CUDA_ARCHS="$CUDA_ARCHS" "$GPU_PYTHON" - "$bundle/manifest.json" <<'PY'
+# triton_aot: the Triton cache for sm_90 (see the header), into $bundle.
+triton_aot() {
+  local cache=build/gpu-bundle-triton work=build/gpu-bundle-aot jobs=${JOBS:-$(nproc)} i records=() pids=()
+  rm -rf "$work" && mkdir -p "$work/site" "$cache"
+  cp -r nt_kernels python/nt_reference "$work/site/"
+  find "$work/site" -name "_C*.so" -delete
+  cp "$bundle"/nt_kernels/_C*.so "$work/site/nt_kernels/"
+  # As on the GPU machine (scripts/gpu_common.sh): no interpreter, Triton's default fp fusion,
+  # one config per kernel; TRITON_STORE_BINARY_ONLY keeps only what a cache hit reads.
+  local env=(env -u TRITON_INTERPRET -u TRITON_DEFAULT_FP_FUSION PYTHONPATH="$PWD/$work/site"
+             TRITON_CACHE_DIR="$PWD/$cache" NT_KERNELS_TRITON_AUTOTUNE=0 TRITON_STORE_BINARY_ONLY=1
+             NT_KERNELS_DATA="$(cd "$DATA_SRC" && pwd)")
+  source scripts/gpu_common.sh  # WARM_DIMS, WARM_DTYPES, WARM_SUITES
+  echo "gpu-bundle: Triton cache: warm workload (check --kernels-only --dims $WARM_DIMS) in $jobs processes"
+  (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu_triton.py" warm --fake-target --jobs "$jobs" \
+    --tag aot --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 7200 -- check --device cpu --kernels-only \
+    --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites "$WARM_SUITES")
+  mapfile -t records < <(ls bench/results/gpu-runs/*/triton-specs.jsonl 2>/dev/null)
+  if [ ${#records[@]} -gt 0 ]; then
+    echo "gpu-bundle: Triton cache: specialisations logged on GPUs: ${records[*]}"
+    for i in $(seq 0 $((jobs - 1))); do
+      (cd "$work" && "${env[@]}" NT_TRITON_LOG="$PWD/aot.jsonl" NT_TRITON_TAG=replay "$GPU_PYTHON" -P \
+        "$OLDPWD/scripts/gpu_triton.py" replay --fake-target --shard "$i/$jobs" "${records[@]/#/$OLDPWD/}") &
+      pids+=($!)
+    done
+    for i in "${pids[@]}"; do
+      wait "$i" || echo "gpu-bundle: a replay process failed (those kernels compile on the GPU)"
+    done
+  fi
+  "$GPU_PYTHON" -P scripts/gpu_triton.py summary "$work/aot.jsonl"
+  "$GPU_PYTHON" -P scripts/gpu_triton.py pack "$cache" "$bundle/triton-cache.tar.gz" --log "$work/aot.jsonl"
+  "${env[@]}" "$GPU_PYTHON" -P scripts/gpu_triton.py fingerprint --out "$bundle/triton-fingerprint.json"
+}
+
+if [ "$triton_only" = 0 ]; then
+  # The venv's bin first: its cmake and ninja (pip) when the system has none.
+  PATH="$(dirname "$GPU_PYTHON"):$PATH" PYTHON="$GPU_PYTHON" bash scripts/build_extension.sh "$build" "$CUDA_ARCHS"
+  rm -rf "$bundle"
+  mkdir -p "$bundle/nt_kernels" "$bundle/data"
+  cp "$build"/_C.cpython-312-*.so "$bundle/nt_kernels/"
+  cp "$DATA_SRC"/tolokers.npz "$DATA_SRC"/minesweeper.npz "$bundle/data/"
+  [ -f "$DATA_SRC/LICENCE.txt" ] && cp "$DATA_SRC/LICENCE.txt" "$bundle/data/"
+  SOURCE_HASH=$(source_hash) CUDA_ARCHS="$CUDA_ARCHS" "$GPU_PYTHON" - "$bundle/manifest.json" <<'PY'
 import datetime, json, os, platform, subprocess, sys, torch
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "CMakeLists.txt"],
@@ -60,6 +107,12 @@ json.dump({"python": platform.python_version(), "torch": torch.__version__, "cud
            "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
           open(sys.argv[1], "w"), indent=1)
 PY
+elif [ ! -f "$bundle/manifest.json" ]; then
+  echo "gpu-bundle: --triton-only needs an existing $bundle (run make gpu-bundle first)" >&2
+  exit 1
+fi
+rm -f "$bundle/triton-cache.tar.gz" "$bundle/triton-fingerprint.json"
+[ "${TRITON_AOT:-1}" = 0 ] || triton_aot
 size_kib=$(du -sk "$bundle" | cut -f1)
 ls -l "$bundle" "$bundle"/*
 echo "gpu-bundle: $bundle is $((size_kib / 1024)) MiB (limit $limit_mib MiB), source hash $(source_hash)"

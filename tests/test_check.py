@@ -33,6 +33,8 @@ def test_check_passes_on_cpu(tmp_path, capsys):
     for r in rows:
         if r["case"] not in properties:
             assert 0 <= r["error"] <= r["tolerance"] and r["worst"] in ("o", "dq", "dk", "dv")
+            assert math.isfinite(r["tolerance"]) and r["baseline"] == r["dtype"]
+        assert r["seconds"] >= 0
     assert "check: " in text and ": OK" in text
 
 
@@ -98,6 +100,60 @@ def test_cuda_without_a_device_exits_2(capsys):
 def test_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         main(["check", "--device", "cpu", *args])
+
+
+def test_every_tolerance_is_finite(tmp_path, capsys):
+    """No row's tolerance is infinite or NaN, float16 included: where PyTorch's float16 baseline
+    overflows (the Performer reference on the ntconv hub graph here), the float32 rule takes over
+    and the table marks it."""
+    status, doc = run_check(tmp_path, "--dims", "9", "--dtypes", "float16", "--suites", "exact,performer,switch,ntconv")
+    assert status == 0, capsys.readouterr().out
+    checked = [r for r in doc["rows"] if r["status"] != "skip"]
+    assert len(checked) > 10
+    assert all(math.isfinite(r["tolerance"]) and r["tolerance"] > 0 for r in checked if r["note"] == "")
+    substituted = [r for r in checked if r["baseline"].startswith("float32 x")]
+    assert substituted and all(r["baseline"] == "float32 x 8192" for r in substituted)
+    assert check.SUBSTITUTED + " tolerance from the float32 baseline" in capsys.readouterr().out
+
+
+def overflowing_performer_row(s, factor=1.0, monkeypatch=None):
+    """The float16 Performer on one 300-row segment (D = 64, one head): PyTorch's float16 reference
+    overflows there on the CPU; ``factor`` scales the kernel's output (1.25: a wrong kernel)."""
+    if factor != 1.0:
+        true_op = nt_kernels.segment_performer_attention
+        monkeypatch.setattr(nt_kernels, "segment_performer_attention", lambda *a, **k: true_op(*a, **k) * factor)
+    graph = check.make_graph([300], s.device)
+    return check.accuracy(check.PATHS["performer"], "overflow", graph, 64, "float16", s, heads=1)
+
+
+def test_overflowing_baseline_uses_the_float32_rule(monkeypatch):
+    s = check.Settings(torch.device("cpu"), (64,), ("float16",), None)
+    row = overflowing_performer_row(s)
+    assert row.baseline == "float32 x 8192" and row.status == "pass"
+    assert math.isfinite(row.tolerance) and check.FLOOR[torch.float16] < row.tolerance < 0.1
+    wrong = overflowing_performer_row(s, 1.25, monkeypatch)
+    assert wrong.status == "FAIL" and wrong.baseline == "float32 x 8192" and math.isfinite(wrong.tolerance)
+
+
+@pytest.mark.parametrize("base, f32, expected", [
+    (1e-3, 5.0, 2e-3),                  # a finite baseline is used as is
+    (math.inf, 1e-7, 2 * 1e-7 * 8192),  # overflow: float32 error x eps ratio
+    (math.nan, 1e-7, 2 * 1e-7 * 8192),
+    (math.inf, math.inf, 0.0),          # both non-finite: the floor alone
+], ids=["finite", "inf", "nan", "both-inf"])
+def test_tolerance_is_always_finite(base, f32, expected):
+    want = torch.tensor([0.5, -3.0, math.inf])   # the floor scales with the finite max, here 3
+    tol, substituted = check.tolerance(base, lambda: f32, torch.float16, want)
+    assert math.isfinite(tol) and substituted == (not math.isfinite(base))
+    assert tol == pytest.approx(expected + check.FLOOR[torch.float16] * 3.0)
+
+
+def test_kernels_only_runs_the_kernels_without_verdicts(tmp_path):
+    status, doc = run_check(tmp_path, "--dims", "8", "--dtypes", "float32", "--suites", "exact,nan",
+                            "--kernels-only")
+    assert status == 0
+    assert {r["status"] for r in doc["rows"]} == {"skip"} and {r["note"] for r in doc["rows"]} == {"kernels only"}
+    assert len(doc["rows"]) == len(check.EXACT_CASES) + len(check.PATHS)
 
 
 def test_accuracy_rule_tolerance():

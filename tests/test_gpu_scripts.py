@@ -1,6 +1,11 @@
 """The GPU-run tooling that can be exercised without a GPU: shell syntax of the
-scripts, the bundle's source hash, the Triton autotuning switch, and the
-measurement / environment scripts on CPU (scripts/gpu_check.sh runs them on CUDA)."""
+scripts, the bundle's source hash, the Triton autotuning switch, the
+measurement / environment scripts on CPU (scripts/gpu_check.sh runs them on
+CUDA), a CPU dry run of scripts/gpu_check.sh and scripts/gpu_perf.sh (every
+stage's commands on small CPU inputs, so that no shell or Python error waits
+for a GPU), and the Triton cache tooling of scripts/gpu_triton.py: kernels
+compiled ahead for sm_90 without a GPU are cache hits for the real launches,
+also after the cache is packed and unpacked elsewhere."""
 import json
 import os
 import re
@@ -11,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHELL_SCRIPTS = ["gpu_check.sh", "gpu_bundle.sh", "build_extension.sh", "cross_check.sh", "cuda_check.sh"]
+SHELL_SCRIPTS = ["gpu_check.sh", "gpu_perf.sh", "gpu_common.sh", "gpu_bundle.sh", "build_extension.sh",
+                 "cross_check.sh", "cuda_check.sh"]
 
 
 def run(args, env=None, **kwargs):
@@ -33,21 +39,24 @@ def test_bundle_source_hash_is_stable():
 
 @pytest.mark.parametrize("value, expected", [("0", "pinned"), ("1", "tuned")])
 def test_triton_autotune_switch(value, expected):
-    """NT_KERNELS_TRITON_AUTOTUNE=0 leaves one config per kernel (the first); the default tunes over several."""
+    """NT_KERNELS_TRITON_AUTOTUNE=0 (what the GPU scripts set) times nothing: the exact kernels take their
+    config from the table and the fused layer's GEMMs keep one config; =1 times every candidate."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["NT_KERNELS_TRITON_AUTOTUNE"] = value
-    code = ("from nt_kernels.backends.triton import softmax_bwd as b, softmax_fwd as f\n"
-            "ks = [f._fwd_packed_kernel, f._fwd_multi_kernel, b._bwd_packed_kernel, b._bwd_dq_kernel, "
-            "b._bwd_dkdv_kernel]\n"
-            "print(','.join(str(len(k.configs)) for k in ks))")
+    code = ("import torch\n"
+            "from nt_kernels.backends.triton import configs, ntconv_gemm\n"
+            "timed = []\n"
+            "time = lambda config: timed.append(config) or float(len(timed))\n"
+            "configs.choose('bwd_dkdv', torch.float32, 64, None, 90, 2, time)\n"
+            "print(len(timed), len(ntconv_gemm._rows_gemm_kernel.configs))")
     result = run([sys.executable, "-c", code], env=env)
     assert result.returncode == 0, result.stderr
-    counts = [int(c) for c in result.stdout.strip().split(",")]
+    timed, gemm_configs = (int(c) for c in result.stdout.split())
     if expected == "pinned":
-        assert counts == [1] * 5
+        assert timed == 0 and gemm_configs == 1
     else:
-        assert all(c > 1 for c in counts)
+        assert timed > 1 and gemm_configs > 1
 
 
 def test_roofline_script_on_cpu(tmp_path):
@@ -79,3 +88,112 @@ def test_env_script_on_cpu(tmp_path):
     assert doc["versions"]["torch"] and doc["extension"]["torch"]
     assert set(doc["data"]) == {"tolokers", "minesweeper"}
     assert "exact" in doc["kernels"] and "performer" in doc["kernels"]
+
+
+def shell_value(script: str, name: str) -> str:
+    match = re.search(rf"^\s*{name}=(\S+)", (ROOT / "scripts" / script).read_text(), re.M)
+    assert match, f"{name} not set in {script}"
+    return match.group(1)
+
+
+def test_warm_workload_covers_the_check():
+    """The warm (and the ahead-of-time cache) compile every head dim and dtype the check runs."""
+    from nt_kernels.apps import check
+
+    dims = {int(d) for d in shell_value("gpu_common.sh", "WARM_DIMS").split(",")}
+    assert set(check.DIMS) <= dims
+    assert shell_value("gpu_common.sh", "WARM_DTYPES").split(",") == list(check.DTYPES)
+    assert shell_value("gpu_check.sh", "CHECK_DTYPES").split(",") == list(check.DTYPES)
+    suites = set(shell_value("gpu_common.sh", "WARM_SUITES").split(","))
+    assert suites == set(check.SUITES) - {"performer"}  # the Performer path is CUDA C++: nothing to compile
+
+
+def dry_env(tmp_path, name):
+    env = dict(os.environ, OUT=str(tmp_path / f"{name}-out"), GPU_WORK=str(tmp_path / f"{name}-work"),
+               GPU_SITE="installed", GPU_PYTHON=sys.executable, GPU_TRITON_CACHE=str(tmp_path / "triton-cache"))
+    return env
+
+
+@pytest.fixture(scope="module")
+def check_dry_run(tmp_path_factory):
+    """scripts/gpu_check.sh without a GPU (stages 1-3), once for the tests below."""
+    pytest.importorskip("triton")
+    tmp = tmp_path_factory.mktemp("gpu-check")
+    result = run(["bash", "scripts/gpu_check.sh"], env=dry_env(tmp, "check"))
+    return tmp, result
+
+
+def test_gpu_check_dry_run(check_dry_run):
+    tmp, result = check_dry_run
+    out = tmp / "check-out"
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"1-env.log", "2-check.log", "3-tests.log", "summary.json",
+                                              "results.tar.gz"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert {name: s["status"] for name, s in summary["stages"].items()} == {"env": "ok", "check": "ok", "tests": "ok"}
+    check = summary["check"]
+    assert check["rows"] > 10 and check["passed"] == check["rows"] and not check["unfinished"]
+    rows = [line for line in (out / "2-check.log").read_text().splitlines() if line.startswith("[d8] exact")]
+    assert len(rows) == 5                                           # streamed with their shard's name
+    tests = summary["tests"]
+    assert tests["outcomes"].get("passed", 0) > 5 and not tests["failed"] and tests["unfinished"] == []
+    assert tests["collected"] == sum(tests["outcomes"].values())
+    assert "PASSED   tests/test_segment_table.py::" in (out / "3-tests.log").read_text()
+    warm = summary["triton"]["warm"]                                # compiled for sm_90 without a GPU
+    assert warm["compiled"] >= 5 and warm["loads"] == warm["compiled"]
+    check_log = (out / "2-check.log").read_text()
+    assert "triton (warm):" in check_log and "0 compiled twice" in check_log
+
+
+def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
+    """The kernels the dry run's warm compiled (check --kernels-only, sm_90, no GPU) are what the real
+    check's launches load: every load a hit, from the cache as it is and after pack + unpack elsewhere."""
+    tmp, _ = check_dry_run
+    cache, log = tmp / "triton-cache", tmp / "check-work" / "logs" / "triton.jsonl"
+    moved = tmp_path / "moved-cache"
+    for args in (["pack", str(cache), str(tmp_path / "cache.tar.gz"), "--log", str(log)],
+                 ["unpack", str(tmp_path / "cache.tar.gz"), str(moved)]):
+        result = run([sys.executable, "scripts/gpu_triton.py", *args])
+        assert result.returncode == 0, result.stderr
+    for where in (cache, moved):
+        consumer = tmp_path / f"{where.name}.jsonl"
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(TRITON_CACHE_DIR=str(where), NT_KERNELS_TRITON_AUTOTUNE="0")
+        result = run([sys.executable, "-P", "scripts/gpu_triton.py", "worker", "--fake-target", "--log", str(consumer),
+                      "--tag", "real", "--", "check", "--device", "cpu", "--dims", "8", "--dtypes", "float32",
+                      "--suites", "exact"], env=env)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        counts = json.loads(run([sys.executable, "scripts/gpu_triton.py", "summary", str(consumer), "--json"]).stdout)
+        assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], (where, counts)
+
+
+def test_gpu_perf_dry_run(tmp_path):
+    pytest.importorskip("triton")
+    result = run(["bash", "scripts/gpu_perf.sh"], env=dry_env(tmp_path, "perf"))
+    out = tmp_path / "perf-out"
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-powerlaw.log", "3-roofline.log",
+                                              "4-op.log", "perf.json", "results.tar.gz"}
+    doc = json.loads((out / "perf.json").read_text())
+    assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {"fused": "ok", "unfused": "ok"}
+    assert all(len(v["top_kernels"]) == 15 for v in doc["layer"]["variants"])
+    assert doc["op_exact"]["backends"]["fused"]["status"] == "ok"
+    assert doc["op_performer"]["backends"]["fused"]["status"] == "ok"
+    assert doc["roofline"]["forward_ms"] > 0
+    assert doc["powerlaw"]["results"][0]["status"] == "ok" and len(doc["powerlaw"]["results"][0]["step_ms_runs"]) == 2
+    assert "== gpu_perf summary" in result.stdout and "layer: fused" in result.stdout
+
+
+def test_fingerprint_and_compare(tmp_path):
+    """The fingerprint names what Triton's cache key holds besides the kernel; --compare fails on a difference."""
+    pytest.importorskip("triton")
+    mine = tmp_path / "mine.json"
+    result = run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--out", str(mine)])
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(mine.read_text())
+    assert set(doc) == {"triton", "triton_key", "ptxas", "backend", "options", "env"}
+    assert run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--compare", str(mine)]).returncode == 0
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(doc, triton_key="0" * 16)))
+    result = run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--compare", str(other)])
+    assert result.returncode == 3 and "triton_key" in result.stdout

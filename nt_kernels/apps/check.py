@@ -12,12 +12,22 @@ bfloat16 and float16; the forward output and all three gradients.
 Accuracy rule (every dtype): the kernel's max error against the float64
 reference is at most twice the error of the same reference run in the test
 dtype, plus a floor of about two units in the last place of the dtype times
-max(1, max |reference|).  Besides: two runs are bitwise identical, and a NaN
+max(1, max |reference|).  Where that low-precision PyTorch baseline is not
+finite (float16 overflows in the reference Performer at large head dims),
+its error is replaced by the float32 baseline's error times the ratio of
+the two dtypes' machine epsilons (8,192 for float16, 65,536 for bfloat16);
+the tolerance is then marked "*" in the table.  No tolerance is ever
+infinite or NaN: if the float32 baseline is not finite either, the floor
+alone is the tolerance.  Besides: two runs are bitwise identical, and a NaN
 in one key row reaches only its own segment and head.
 
 Prints a table (path, case, dtype, D, worst output, max error, tolerance,
-result) and exits with status 1 when a check fails.  ``--quick`` runs a
-subset (head dims 1, 9, 64; float32 and bfloat16) for CI.
+result, seconds spent on the row) as each row is computed and exits with
+status 1 when a check fails.  ``--quick`` runs a subset (head dims 1, 9, 64;
+float32 and bfloat16) for CI.  ``--kernels-only`` runs every row's kernel
+calls (forward and backward) without the references or verdicts (rows read
+"skip"): it compiles exactly the Triton kernels a check launches, e.g. to
+fill Triton's cache ahead (scripts/gpu_triton.py warm).
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ import torch
 
 import nt_kernels
 from nt_kernels import NeighbourhoodCSR, default_nb_features, orthogonal_random_features
+from nt_kernels._extension import cpu_paths
 from nt_reference import ops as ref
 
 DIMS = (1, 8, 9, 23, 53, 64, 128, 256)
@@ -80,6 +91,8 @@ class Row:
     tolerance: float = 0.0
     status: str = "pass"   # pass, FAIL or skip
     note: str = ""
+    baseline: str = ""     # the PyTorch baseline of the tolerance: the dtype, or "float32 x <eps ratio>"
+    seconds: float = 0.0   # wall time of the row (inputs, compiles, references, kernel)
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class Settings:
     dtypes: tuple[str, ...]
     data_root: str | None
     seed: int = 0
+    kernels_only: bool = False
     # The last float64 reference (key, outputs): the dtypes of one case share it.
     reference: tuple = (None, None)
 
@@ -160,6 +174,56 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return math.inf if not torch.isfinite(diff).all() else float(diff.max()) if diff.numel() else 0.0
 
 
+def finite_scale(want: torch.Tensor) -> float:
+    """max(1, max |want| over its finite elements): what the floor is relative to."""
+    finite = want[torch.isfinite(want)]
+    return max(1.0, float(finite.abs().max()) if finite.numel() else 0.0)
+
+
+def tolerance(base_error: float, float32_error, dtype: torch.dtype, want: torch.Tensor) -> tuple[float, bool]:
+    """(tolerance, substituted): 2 x the PyTorch baseline's error in ``dtype`` + the dtype's floor.
+
+    ``float32_error`` (a number, or a function computing it) is used only when
+    ``base_error`` is not finite: then the baseline error is the float32 one
+    times eps(dtype) / eps(float32), or 0 (the floor alone) if that is not
+    finite either.  The result is always finite."""
+    substituted = not math.isfinite(base_error)
+    if substituted:
+        f32 = float32_error() if callable(float32_error) else float32_error
+        ratio = torch.finfo(dtype).eps / torch.finfo(torch.float32).eps
+        base_error = f32 * ratio if math.isfinite(f32) else 0.0
+    return 2 * base_error + FLOOR[dtype] * finite_scale(want), substituted
+
+
+def eps_ratio_label(dtype: torch.dtype) -> str:
+    return f"float32 x {torch.finfo(dtype).eps / torch.finfo(torch.float32).eps:.0f}"
+
+
+def verdict(row: Row, names, ours, torch_low, exact, dtype: torch.dtype, float32_run, *,
+            same_dtype: bool = True) -> Row:
+    """Fill ``row`` with the worst output of the accuracy rule.  ``float32_run()`` gives the
+    reference's outputs in float32 (called only when the ``dtype`` baseline is not finite); an
+    output of the wrong shape (or, with ``same_dtype``, not in ``dtype``) has an infinite error."""
+    worst_ratio, f32 = -1.0, []
+
+    def f32_error(i):
+        if not f32:
+            f32.append(float32_run())
+        return max_error(f32[0][i], exact[i])
+    row.baseline = str(dtype).replace("torch.", "")
+    for i, (name, got, base, want) in enumerate(zip(names, ours, torch_low, exact)):
+        tol, substituted = tolerance(max_error(base, want), lambda: f32_error(i), dtype, want)
+        if substituted:
+            row.baseline = eps_ratio_label(dtype)
+        ok = got.shape == want.shape and (got.dtype == dtype or not same_dtype)
+        err = max_error(got, want) if ok else math.inf
+        ratio = err / tol if tol > 0 else (0.0 if err == 0 else math.inf)
+        if ratio > worst_ratio:
+            worst_ratio, row.worst, row.error, row.tolerance = ratio, name, err, tol
+    row.status = "pass" if worst_ratio <= 1.0 else "FAIL"
+    return row
+
+
 def accuracy(path: Path, case: str, graph: Graph, dim: int, dtype_name: str, s: Settings, *,
              heads: int = HEADS, m: int | None = None, threshold: float | None = None) -> Row:
     """Kernel vs float64 reference under the 2x-PyTorch-error rule (o, dq, dk, dv)."""
@@ -172,6 +236,11 @@ def accuracy(path: Path, case: str, graph: Graph, dim: int, dtype_name: str, s: 
         return forward_backward(lambda q, k, v: fn(q, k, v, graph, p, threshold),
                                 *(t.to(dt) for t in (q, k, v, grad_o)))
 
+    row = Row(path.name, case, dtype_name, dim)
+    if s.kernels_only:
+        runner(path.kernel, dtype)
+        row.status, row.note = "skip", "kernels only"
+        return row
     key = (path.name, case, id(graph), dim, heads, m, threshold)
     if s.reference[0] != key:
         s.reference = (None, None)  # free the previous case's tensors first
@@ -179,16 +248,8 @@ def accuracy(path: Path, case: str, graph: Graph, dim: int, dtype_name: str, s: 
     exact = s.reference[1]
     torch_low = runner(path.reference, dtype)
     ours = runner(path.kernel, dtype)
-    row = Row(path.name, case, dtype_name, dim)
-    worst_ratio = -1.0
-    for name, got, base, want in zip(("o", "dq", "dk", "dv"), ours, torch_low, exact):
-        tol = 2 * max_error(base, want) + FLOOR[dtype] * max(1.0, float(want.abs().max()) if want.numel() else 0.0)
-        err = max_error(got, want) if got.dtype == dtype and got.shape == want.shape else math.inf
-        ratio = err / tol if tol > 0 else (0.0 if err == 0 else math.inf)
-        if ratio > worst_ratio:
-            worst_ratio, row.worst, row.error, row.tolerance = ratio, name, err, tol
-    row.status = "pass" if worst_ratio <= 1.0 else "FAIL"
-    return row
+    return verdict(row, ("o", "dq", "dk", "dv"), ours, torch_low, exact, dtype,
+                   lambda: runner(path.reference, torch.float32))
 
 
 # ----------------------------------------------------------------------- suites
@@ -310,16 +371,20 @@ SUITES: dict[str, Callable[[Settings], Iterator[Row]]] = {
 
 
 # ---------------------------------------------------------------------- command
+SUBSTITUTED = "*"  # marks a tolerance from the float32 baseline (the dtype's baseline was not finite)
+
+
 def format_row(r: Row) -> str:
     dim = "-" if r.dim is None else str(r.dim)
-    numbers = f"{r.error:10.3e} {r.tolerance:10.3e}" if r.status != "skip" else f"{'-':>10} {'-':>10}"
-    return (f"{r.path:<10} {r.case:<34} {r.dtype:<9} {dim:>4} {r.worst:<10} {numbers}  {r.status}"
-            + (f"  ({r.note})" if r.note and r.status != "pass" else ""))
+    mark = SUBSTITUTED if r.baseline.startswith("float32 x") else " "
+    numbers = f"{r.error:10.3e} {r.tolerance:10.3e}{mark}" if r.status != "skip" else f"{'-':>10} {'-':>10} "
+    return (f"{r.path:<10} {r.case:<34} {r.dtype:<9} {dim:>4} {r.worst:<10} {numbers} {r.status:<6} "
+            f"{r.seconds:6.1f}" + (f"  ({r.note})" if r.note and r.status != "pass" else ""))
 
 
 def header() -> str:
     return (f"{'path':<10} {'case':<34} {'dtype':<9} {'D':>4} {'worst':<10} {'max error':>10} "
-            f"{'tolerance':>10}  result")
+            f"{'tolerance':>10}  {'result':<6} {'s':>6}")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -333,6 +398,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated among {', '.join(SUITES)}")
     p.add_argument("--data-root", default=None, help="folder with tolokers.npz (default: $NT_KERNELS_DATA)")
     p.add_argument("--json", default=None, help="also write the rows and a summary to this JSON file")
+    p.add_argument("--kernels-only", action="store_true",
+                   help="run each row's kernel calls only: no references, no verdicts (rows read skip); "
+                        "compiles the Triton kernels a check launches")
     p.set_defaults(func=run)
     return p
 
@@ -347,7 +415,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for dim in dims:
         if not 1 <= dim <= 256:
             raise ValueError(f"check: head dims must be in 1..256, got {dim}")
-    return Settings(device, dims, dtypes, args.data_root)
+    return Settings(device, dims, dtypes, args.data_root, kernels_only=getattr(args, "kernels_only", False))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -360,8 +428,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"check: unknown suite(s) {', '.join(unknown)}; choose among {', '.join(SUITES)}")
     name = torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else platform.processor() or "cpu"
+    paths = cpu_paths()
     print(f"nt-kernels {nt_kernels.__version__} check on {s.device} ({name}), torch {torch.__version__}; "
-          f"head dims {','.join(map(str, s.dims))}; {', '.join(s.dtypes)}")
+          f"head dims {','.join(map(str, s.dims))}; {', '.join(s.dtypes)}; "
+          f"torch CPU capability {paths['torch_capability']}, nt_kernels CPU ISA path {paths['nt_kernels_isa']}")
     print(header())
     rows: list[Row] = []
     start = time.perf_counter()
@@ -371,18 +441,27 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": str(s.device), "device_name": name, "torch": torch.__version__,
+                           "torch_cpu_capability": paths["torch_capability"],
+                           "nt_kernels_cpu_isa": paths["nt_kernels_isa"],
                            "nt_kernels": nt_kernels.__version__, "dims": s.dims, "dtypes": s.dtypes,
                            "suites": suites, "finished": finished, "seconds": round(time.perf_counter() - start, 1),
                            "ok": finished and all(r.status != "FAIL" for r in rows),
                            "rows": [asdict(r) for r in rows]}, f, indent=1)
 
+    tick = start
     for suite in suites:
         for row in SUITES[suite](s):
+            if s.kernels_only:  # the determinism and NaN suites compare kernel runs only: no verdict either
+                row.status, row.note = "skip", "kernels only"
+            row.seconds, tick = round(time.perf_counter() - tick, 2), time.perf_counter()
             rows.append(row)
             print(format_row(row), flush=True)
             write_json(False)
     failed = [r for r in rows if r.status == "FAIL"]
     skipped = [r for r in rows if r.status == "skip"]
+    if any(r.baseline.startswith("float32 x") for r in rows):
+        print(f"{SUBSTITUTED} tolerance from the float32 baseline's error x eps(dtype) / eps(float32): "
+              "the PyTorch baseline in the row's dtype was not finite")
     print(f"check: {len(rows)} checks, {len(rows) - len(failed) - len(skipped)} passed, {len(failed)} failed, "
           f"{len(skipped)} skipped in {time.perf_counter() - start:.0f} s on {s.device}: "
           f"{'FAILED' if failed else 'OK'}")

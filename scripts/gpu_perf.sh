@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# GPU performance probe (issue 22): at most 180 s from a bare machine, for iterating on kernels.
+# JSON (perf.json) and a printed table; every stage under its own limit, streaming its output
+# to $OUT as it runs.
+#
+#   run(command="bash scripts/gpu_perf.sh", carry=[".gpu-bundle"], timeout_s=240)
+#   run(command="GPU_PERF=layer,roofline bash scripts/gpu_perf.sh", carry=[".gpu-bundle"], timeout_s=150)
+#
+# Stages (GPU_PERF, a comma list; default layer,powerlaw,roofline,op; stage 0 always runs; they
+# run in this order, each limited to leave the later selected stages their minimum):
+#   0 env       versions, the prebuilt extension, Triton's fingerprint and the bundle's Triton cache
+#   warm        (only when named) the Triton kernels of the layer and powerlaw stages compiled
+#               ahead in 8 processes (scripts/gpu_triton.py warm; powerlaw at 2M messages)
+#   1 layer     tolokers training step (released preset), fused and unfused, bf16 autocast: 3
+#               warm-up + 5 timed steps each, then one step under torch.profiler with the 15 most
+#               expensive GPU kernels of each (scripts/gpu_profile.py)
+#   2 powerlaw  the 100M-message power-law graph, fused, bf16 autocast: 1 warm-up step, the
+#               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
+#   3 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
+#               (scripts/gpu_measure.py roofline)
+#   4 op        `nt-kernels bench` on tolokers' exact-path and Performer-path segments, H = 4,
+#               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
+#               backends: "fused,flex" costs about 25 s of FlexAttention compiling)
+# Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
+# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 180), GPU_WORK
+# (default /tmp/nt-gpu-perf), and scripts/gpu_common.sh's.
+set -uo pipefail
+source "$(dirname "$0")/gpu_common.sh"
+gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
+GPU_PERF=${GPU_PERF:-layer,powerlaw,roofline,op}
+BUDGET=${GPU_PERF_BUDGET:-180}
+export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
+export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused}
+# stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
+# stages at least their minimums.
+declare -A LIMITS=([warm]="45 20" [layer]="55 30" [powerlaw]="90 50" [roofline]="25 12" [op]="45 20")
+ORDER=(warm layer powerlaw roofline op)
+DRY_SCALE=1  # 5 in a dry run on the CPU
+
+selected() { [[ ",$GPU_PERF," == *",$1,"* ]]; }
+limit_of() {  # limit_of STAGE: min(cap, seconds left - the minimums of the selected stages after it)
+  local stage=$1 later=0 after=0 s cap
+  for s in "${ORDER[@]}"; do
+    if [ "$after" = 1 ] && selected "$s"; then later=$(( later + ${LIMITS[$s]#* } )); fi
+    [ "$s" = "$stage" ] && after=1
+  done
+  cap=$(( ${LIMITS[$stage]% *} * DRY_SCALE ))
+  local have=$(( DEADLINE - $(date +%s) - later ))
+  [ "$have" -lt "$cap" ] && cap=$have
+  echo $(( cap < 10 ? 10 : cap ))
+}
+
+stage_env() {
+  echo "date: $(date -u +%FT%TZ), $(nproc) cores"
+  command -v nvidia-smi >/dev/null \
+    && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  install_site || { echo "perf: no working prebuilt extension (run scripts/gpu_check.sh, which builds one)"; return 1; }
+  ntpy -c "import torch, triton, nt_kernels
+print('torch', torch.__version__, 'triton', triton.__version__, 'cuda:',
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
+  triton_cache_setup
+}
+
+stage_warm() {
+  local device=cuda fake=() extra=(--messages 2000000)
+  have_cuda || { device=cpu fake=(--fake-target) extra=(--dry-run); echo "SKIP CUDA: the warm for sm_90 without a GPU"; }
+  ntpy "$REPO/scripts/gpu_triton.py" warm --jobs "$( have_cuda && echo 8 || echo 2 )" --tag warm --out-dir "$WORK/logs" \
+    --timeout "$(( STAGE_LIMIT - 5 ))" "${fake[@]}" -- bench --layer --graph tolokers,powerlaw --device "$device" \
+    --dtype bfloat16-autocast --in-process --warmup 0 --repeats 1 "${extra[@]}" --out "$WORK/logs/warm-layer"
+}
+
+stage_layer() {
+  local args=(--graph tolokers --dtype bfloat16-autocast --warmup 3 --repeats 5 --top 15)
+  have_cuda || { args=(--graph tolokers --dtype bfloat16-autocast --device cpu --warmup 0 --repeats 1 --top 15)
+                 echo "SKIP CUDA: the same profile on CPU, graphs cut to 1,000 nodes"; }
+  ntpy "$REPO/scripts/gpu_profile.py" "${args[@]}" --json "$WORK/json/perf-layer.json"
+}
+
+stage_op() {
+  local bench=(-m nt_kernels.cli bench --device cuda --graph tolokers --heads 4 --head-dim 32 --dtype bfloat16
+               --repeats 10 --warmup 2 --input-sets 2 --timeout 45)
+  if ! have_cuda; then
+    echo "SKIP CUDA: the same benches on CPU, fused only, a small synthetic graph"
+    bench=(-m nt_kernels.cli bench --device cpu --graph synthetic-tolokers --scale 0.02 --heads 2 --head-dim 8
+           --dtype float32 --repeats 1 --warmup 0 --input-sets 1 --timeout 120)
+    GPU_PERF_OP_BACKENDS=fused GPU_PERF_PERFORMER_BACKENDS=fused
+  fi
+  local rc=0
+  ntpy "${bench[@]}" --subset exact --backends "$GPU_PERF_OP_BACKENDS" --out "$WORK/json/perf-op-exact.json" || rc=1
+  ntpy "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
+    --out "$WORK/json/perf-op-performer.json" || rc=1
+  return $rc
+}
+
+stage_roofline() {
+  local args=(--device cuda)
+  have_cuda || args=(--device cpu --edges 3000 --heads 2 --head-dim 8 --reps 2 --warmup 1)
+  ntpy "$REPO/scripts/gpu_measure.py" roofline "${args[@]}" --out "$WORK/json/perf-roofline.json"
+}
+
+stage_powerlaw() {
+  local args=(--device cuda --timeout "$(( STAGE_LIMIT - 10 ))")
+  have_cuda || args=(--device cpu --dry-run --timeout 120)
+  ntpy -m nt_kernels.cli bench --layer --graph powerlaw --dtype bfloat16-autocast --variants fused --warmup 1 \
+    --repeats 2 "${args[@]}" --out "$WORK/json/perf-powerlaw"
+}
+export -f stage_env stage_warm stage_layer stage_op stage_roofline stage_powerlaw install_site triton_cache_setup
+
+stage_done() {  # perf.json from every stage's JSON so far, and the table
+  STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu_perf_report.py" "$WORK" "$OUT/perf.json" \
+    >"$WORK/logs/perf-table.txt" 2>&1 || echo "gpu_perf: could not write perf.json" >&2
+}
+
+echo "gpu_perf: stages $GPU_PERF, budget $BUDGET s, out $OUT, python $PY"
+run_stage 0 env 60 stage_env
+ntpy -c "import torch; print(int(torch.cuda.is_available()))" >"$WORK/have_cuda" 2>/dev/null || echo 0 >"$WORK/have_cuda"
+if ! have_cuda; then
+  echo "gpu_perf: no CUDA device: dry run on the CPU (cut-down graphs, not time-boxed)" | tee -a "$OUT/0-env.log"
+  export DEADLINE=$(( DEADLINE + 900 ))
+  DRY_SCALE=5
+fi
+if [ "${STATUS[env]}" != ok ]; then
+  echo "gpu_perf: stage 0 failed; stopping" | tee -a "$OUT/0-env.log"
+  exit 1
+fi
+number=1
+for stage in layer powerlaw roofline op; do
+  if [ "$stage" = layer ] && selected warm; then
+    run_stage w warm "$(limit_of warm)" stage_warm
+  fi
+  selected "$stage" && run_stage "$number" "$stage" "$(limit_of "$stage")" "stage_$stage"
+  number=$(( number + 1 ))
+done
+cat "$WORK/logs/perf-table.txt"
+echo "gpu_perf: done in $(elapsed) s"
+for s in "${!STATUS[@]}"; do [ "${STATUS[$s]}" = ok ] || exit 1; done

@@ -1,0 +1,113 @@
+"""perf.json and the printed table of scripts/gpu_perf.sh, from the JSON its stages wrote so far.
+
+    python scripts/gpu_perf_report.py WORK OUT_JSON     (env STAGES="name=status=seconds ...", TOTAL)
+
+Called after every stage, so a run stopped at any point still leaves perf.json with what finished.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_triton  # noqa: E402
+
+
+def load(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def op_summary(doc) -> dict | None:
+    if not doc:
+        return None
+    rows = {r["backend"]: {k: r.get(k) for k in ("status", "forward_ms", "forward_backward_ms", "peak_memory_bytes",
+                                                  "max_abs_error")} for r in doc["results"]}
+    g = doc["graph"]
+    return {"command": doc["command"], "graph": {k: g.get(k) for k in ("name", "num_nodes", "num_edges", "segments")},
+            "settings": {k: doc["settings"].get(k) for k in ("heads", "head_dim", "dtype", "subset")}, "backends": rows}
+
+
+def collect(work: str) -> dict:
+    stages = {}
+    for item in os.environ.get("STAGES", "").split():
+        name, status, seconds = item.split("=")
+        stages[name] = {"status": status, "seconds": int(seconds)}
+    powerlaw = [load(p) for p in sorted(glob.glob(f"{work}/json/perf-powerlaw/*.json"))]
+    records = gpu_triton.read_log([f"{work}/logs/triton.jsonl"])
+    return {"total_seconds": int(os.environ.get("TOTAL", 0)), "stages": stages,
+            "layer": load(f"{work}/json/perf-layer.json"),
+            "op_exact": op_summary(load(f"{work}/json/perf-op-exact.json")),
+            "op_performer": op_summary(load(f"{work}/json/perf-op-performer.json")),
+            "roofline": load(f"{work}/json/perf-roofline.json"),
+            "powerlaw": powerlaw[0] if powerlaw else None,
+            "triton": {name: gpu_triton.counts(records, name) for name in stages}}
+
+
+def fmt(value, spec=".2f", unit="") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def mib(value):
+    return None if value is None else value / 2**20
+
+
+def table(doc: dict) -> str:
+    lines = ["", "== gpu_perf summary " + " ".join(f"{k}={v['status']}({v['seconds']} s)"
+                                                   for k, v in doc["stages"].items())]
+    layer = doc["layer"]
+    if layer:
+        for e in layer["variants"]:
+            top = e.get("top_kernels", [])[:3]
+            peak = fmt(mib(e.get("peak_memory_bytes")), ",.0f", " MiB")
+            lines.append(f"layer {layer['graph']} {layer['dtype']} {e['variant']:8s} step "
+                         f"{fmt(e.get('step_ms'), '.1f', ' ms')}, peak {peak} [{e.get('status')}]; top: "
+                         + "; ".join(f"{t['name'][:40]} {t['ms']:.1f} ms" for t in top))
+        if "fused_speedup" in layer:
+            lines.append(f"layer: fused {layer['fused_speedup']:.2f}x faster per step than unfused")
+    for key in ("op_exact", "op_performer"):
+        op = doc[key]
+        if op:
+            cells = [f"{name} {fmt(r.get('forward_backward_ms'), '.2f')}/{fmt(r.get('forward_ms'), '.2f')} ms"
+                     + ("" if r["status"] == "ok" else f" [{r['status'][:30]}]") for name, r in op["backends"].items()]
+            s = op["settings"]
+            lines.append(f"op {s['subset']:9s} H={s['heads']} D={s['head_dim']} {s['dtype']} (fwd+bwd/fwd): "
+                         + ", ".join(cells))
+    roof = doc["roofline"]
+    if roof:
+        lines.append(f"roofline E={roof['num_edges']:,} {roof['dtype']}: fwd {roof['forward_ms']:.2f} ms = "
+                     f"{roof['forward_gb_per_s']:.0f} GB/s = {100 * roof['fraction_of_copy_bandwidth']:.0f}% of copy "
+                     f"{roof['copy_gb_per_s']:.0f} GB/s; fwd+bwd {roof['forward_backward_ms']:.2f} ms"
+                     + (f" = {100 * roof['forward_backward_fraction_of_copy_bandwidth']:.0f}% of copy"
+                        if "forward_backward_fraction_of_copy_bandwidth" in roof else ""))
+    pl = doc["powerlaw"]
+    if pl:
+        for e in pl["results"]:
+            messages = pl["graph"].get("num_messages")
+            lines.append(f"powerlaw {fmt(messages, ',d')} messages {e['variant']}: step "
+                         f"{fmt(e.get('step_ms'), ',.0f', ' ms')} (timed {e.get('step_ms_runs')}, warm-up "
+                         f"{e.get('warmup_ms_runs')}), peak {fmt(mib(e.get('peak_memory_bytes')), ',.0f', ' MiB')} "
+                         f"[{e['status']}]")
+    for name, c in doc["triton"].items():
+        if c["loads"]:
+            lines.append(f"triton {name}: {c['loads']} loads, {c['hits']} cache hits, {c['compiled']} compiled "
+                         f"({c['compile_seconds']} s)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    work, out = sys.argv[1:3]
+    doc = collect(work)
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Stage "layer" of scripts/gpu_perf.sh: where a training step's GPU time goes.
+
+For each variant (``fused``: every NTConv ``fused=True``; ``unfused``: ``fused=False``) of a
+bench graph's preset (default tolokers: gated_sum, 30 x 2 heads, 5 layers) under bf16
+autocast: ``--warmup`` untimed steps (Triton compiles, plans), ``--repeats`` timed steps (the
+device synchronised around each; median reported), the peak memory of one step above what was
+allocated before it, then one step under ``torch.profiler`` whose ``--top`` most expensive
+GPU kernels (self device time) are printed and saved with their share of the step's kernel
+time.  A step is forward, cross-entropy on the loss nodes, backward and an Adam step, as in
+``nt-kernels bench --layer`` (same graphs and presets: nt_kernels.bench.layer), but here
+both variants run in this one process, one after the other.
+
+On a machine without CUDA (``--device cpu``, a dry run of the GPU script) the graphs are cut
+down (``build_graph(dry_run=True)``) and the table ranks CPU time instead.
+
+    python scripts/gpu_profile.py --graph tolokers --json perf-layer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from nt_kernels.bench.layer import PRESETS, build_graph
+from nt_kernels.csr import NeighbourhoodCSR
+
+LEARNING_RATE = 1e-3
+
+
+def sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def make_model(name: str, graph, fused: bool):
+    from nt_kernels.nn import NT
+
+    p = PRESETS[name]
+    return NT(graph.x.shape[1], int(graph.y.max()) + 1, p.head_dim * p.heads, p.num_layers, heads=p.heads,
+              dropout=p.dropout, sep=p.sep, aggr=p.aggr, fused=fused)
+
+
+def train_step(model, optimizer, graph, csr, autocast: bool) -> torch.Tensor:
+    """Forward, cross-entropy on the loss nodes, backward, Adam step (nt_kernels.bench.layer's step)."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(graph.x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(graph.x, csr)
+        nodes = graph.loss_nodes
+        loss = F.cross_entropy(logits if nodes is None else logits[nodes], graph.y if nodes is None else graph.y[nodes])
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], float]:
+    """The ``top`` events by self device time (self CPU time on CPU) and the total of all."""
+    events = prof.key_averages()
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) / 1e3
+    rows = []
+    for e in sorted(events, key=lambda e: -getattr(e, attr))[:top]:
+        ms = getattr(e, attr) / 1e3
+        rows.append({"name": e.key, "calls": e.count, "ms": round(ms, 3),
+                     "share": round(ms / total, 4) if total else 0.0})
+    return rows, total
+
+
+def profile_variant(args, variant: str, device: torch.device) -> dict:
+    graph = build_graph(args.graph, messages=None, seed=0, device=device, dry_run=device.type != "cuda")
+    csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
+    graph.edge_index = None
+    torch.manual_seed(0)
+    model = make_model(args.graph, graph, fused=variant == "fused").to(device).train()
+    model.prepare(csr, graph.x.shape[0])
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    autocast = args.dtype == "bfloat16-autocast"
+    entry = {"variant": variant, "warmup_ms_runs": [], "step_ms_runs": []}
+    for _ in range(args.warmup):
+        tick = sync(device)
+        train_step(model, optimizer, graph, csr, autocast)
+        entry["warmup_ms_runs"].append(round(1e3 * (sync(device) - tick), 2))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    losses = []
+    for _ in range(args.repeats):
+        tick = sync(device)
+        losses.append(float(train_step(model, optimizer, graph, csr, autocast)))
+        entry["step_ms_runs"].append(round(1e3 * (sync(device) - tick), 2))
+    if device.type == "cuda":
+        entry["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) - before
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train_step(model, optimizer, graph, csr, autocast)
+        sync(device)
+    entry["top_kernels"], entry["profiled_kernel_ms"] = kernel_table(prof, device, args.top)
+    entry.update(step_ms=statistics.median(entry["step_ms_runs"]), loss_first=losses[0], loss_last=losses[-1],
+                 status="ok" if all(map(lambda x: x == x and abs(x) != float("inf"), losses)) else "non-finite loss")
+    return entry
+
+
+def print_variant(entry: dict, device: torch.device) -> None:
+    what = "GPU kernel" if device.type == "cuda" else "CPU op"
+    peak = entry.get("peak_memory_bytes")
+    print(f"\n== {entry['variant']}: step {entry['step_ms']:.1f} ms (median of {len(entry['step_ms_runs'])}; "
+          f"warm-up {entry['warmup_ms_runs']} ms), {what} time in the profiled step "
+          f"{entry['profiled_kernel_ms']:.1f} ms"
+          + (f", peak {peak / 2**20:,.0f} MiB above the baseline" if peak is not None else ""), flush=True)
+    print(f"{'ms':>9} {'share':>6} {'calls':>6}  {what}")
+    for row in entry["top_kernels"]:
+        print(f"{row['ms']:9.2f} {100 * row['share']:5.1f}% {row['calls']:6d}  {row['name'][:110]}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graph", default="tolokers", choices=sorted(PRESETS))
+    parser.add_argument("--variants", default="fused,unfused")
+    parser.add_argument("--dtype", default="bfloat16-autocast", choices=("float32", "bfloat16-autocast"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    doc = {"graph": args.graph, "preset": vars(PRESETS[args.graph]), "dtype": args.dtype, "device": str(device),
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "warmup": args.warmup, "repeats": args.repeats, "variants": []}
+    for variant in args.variants.split(","):
+        try:
+            entry = profile_variant(args, variant, device)
+        except Exception as exc:  # recorded, and the next variant still runs
+            entry = {"variant": variant, "status": f"error: {type(exc).__name__}: {exc}"[:400]}
+            print(f"\n== {variant}: {entry['status']}", flush=True)
+        else:
+            print_variant(entry, device)
+        doc["variants"].append(entry)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+    ok = [e for e in doc["variants"] if e.get("status") == "ok"]
+    if len(ok) == 2:
+        by = {e["variant"]: e for e in ok}
+        if {"fused", "unfused"} <= set(by):
+            doc["fused_speedup"] = by["unfused"]["step_ms"] / by["fused"]["step_ms"]
+            print(f"\nfused vs unfused: {doc['fused_speedup']:.2f}x faster per step")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if len(ok) == len(doc["variants"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""pytest plugin of scripts/gpu_check.sh (``-p gpu_pytest_stream``): every test's outcome written as
+the test finishes, so that a run killed at any point keeps what it did.
+
+* ``$GPU_TESTS_STREAM``: one line per test (seconds since the start, outcome, id, duration,
+  xdist worker), followed for a failure by its message and the end of its traceback; first the
+  number of tests collected, last the totals.
+* ``$GPU_TESTS_JSON``: the same as JSON lines (id, outcome, seconds, message); the collected ids
+  go to ``tests-collected.txt`` beside it, so that the tests a kill left unfinished can be listed.
+* ``$GPU_TESTS_WHOLE_FILES`` (file names): only the tests of these files, and tests marked
+  ``cuda`` in the other files given, are run; the rest are deselected.
+
+Lines are appended with one write each (O_APPEND), from the xdist controller only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+START = time.time()
+_STATE = {"config": None, "collected": False, "counts": {}, "phases": {}}
+
+
+def _append(path: str | None, text: str) -> None:
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _is_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config):
+    _STATE["config"] = config
+
+
+def pytest_collection_modifyitems(config, items):
+    whole = os.environ.get("GPU_TESTS_WHOLE_FILES")
+    if whole is None:
+        return
+    names = set(whole.split())
+    keep, drop = [], []
+    for item in items:
+        in_whole = os.path.basename(str(item.path)) in names
+        (keep if in_whole or item.get_closest_marker("cuda") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _collected(ids) -> None:
+    if _STATE["collected"]:
+        return
+    _STATE["collected"] = True
+    _append(os.environ.get("GPU_TESTS_STREAM"), f"+{time.time() - START:6.1f}s collected {len(ids)} tests\n")
+    target = os.environ.get("GPU_TESTS_JSON")
+    if target:
+        with open(os.path.join(os.path.dirname(target), "tests-collected.txt"), "w") as f:
+            f.write("".join(f"{i}\n" for i in ids))
+
+
+def pytest_collection_finish(session):
+    if not _is_worker(session.config) and not getattr(session.config.option, "numprocesses", None):
+        _collected([item.nodeid for item in session.items])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    _collected(ids)
+
+
+def _message(report) -> str:
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    head = f"{crash.path}:{crash.lineno}: {crash.message}" if crash else ""
+    tail = "\n".join(report.longreprtext.splitlines()[-15:]) if report.longrepr else ""
+    return (head + "\n" + tail).strip()[-3000:]
+
+
+def pytest_runtest_logreport(report):
+    config = _STATE["config"]
+    if config is None or _is_worker(config):
+        return
+    phases = _STATE["phases"].setdefault(report.nodeid, {"seconds": 0.0})
+    phases["seconds"] += report.duration
+    outcome = None
+    if report.when == "call":
+        outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+    elif report.when == "setup" and not report.passed:
+        outcome = "error" if report.failed else "skipped"
+    elif report.when == "teardown" and report.failed:
+        outcome = "error"
+    if outcome is None:
+        return
+    _STATE["counts"][outcome] = _STATE["counts"].get(outcome, 0) + 1
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
+    message = _message(report) if outcome in ("failed", "error") else ""
+    if outcome == "skipped" and isinstance(report.longrepr, tuple):
+        message = str(report.longrepr[2])
+    line = (f"+{time.time() - START:6.1f}s {outcome.upper():8s} {report.nodeid}  ({phases['seconds']:.2f} s)"
+            f"{' [' + worker + ']' if worker else ''}\n")
+    if outcome in ("failed", "error"):
+        line += "".join(f"    | {text}\n" for text in message.splitlines())
+    _append(os.environ.get("GPU_TESTS_STREAM"), line)
+    _append(os.environ.get("GPU_TESTS_JSON"), json.dumps({"id": report.nodeid, "outcome": outcome,
+                                                          "seconds": round(phases["seconds"], 3),
+                                                          "message": message}) + "\n")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _is_worker(session.config):
+        return
+    totals = ", ".join(f"{n} {k}" for k, n in sorted(_STATE["counts"].items())) or "no tests ran"
+    _append(os.environ.get("GPU_TESTS_STREAM"),
+            f"+{time.time() - START:6.1f}s pytest finished (exit {int(exitstatus)}): {totals}\n")
