@@ -4,7 +4,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["extension"]
+import torch
+
+__all__ = ["cpu_paths", "extension"]
 
 
 def extension() -> ModuleType:
@@ -16,3 +18,18 @@ def extension() -> ModuleType:
             f"nt_kernels: the compiled extension nt_kernels._C is not available ({exc}); the ops need it. "
             "Build it with `make install` (or `pip install --no-build-isolation -e .`) in the repository"
         ) from exc
+
+
+def cpu_paths() -> dict:
+    """Which vector kernels run on this CPU, for logs and reproducibility reports.
+
+    ``torch_capability``: the kernels torch picked (``ATEN_CPU_CAPABILITY`` lowers it);
+    ``nt_kernels_isa``: this package's CPU kernel path (``NT_KERNELS_CPU_ISA=base|avx2``
+    forces one); ``torch_capabilities`` and ``nt_kernels_isa_paths``: every value of
+    each that this CPU can run.
+    """
+    features = extension().cpu_features()
+    capabilities = ["default"] + (["avx2"] if features["avx2_fma"] else []) + (["avx512"] if features["avx512"] else [])
+    return {"torch_capability": torch.backends.cpu.get_cpu_capability().lower(),
+            "torch_capabilities": capabilities, "nt_kernels_isa": extension().cpu_isa(),
+            "nt_kernels_isa_paths": ["base", "avx2"] if features["avx2_fma"] else ["base"]}

@@ -1,4 +1,4 @@
-"""The ``nt-kernels`` command: info, check, demo, bench, train."""
+"""The ``nt-kernels`` command: info, check, demo, bench, train, tune."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 import torch
 
 import nt_kernels
-from nt_kernels._extension import extension
+from nt_kernels._extension import cpu_paths, extension
 
 KERNEL_OPS = {
     "exact": ("softmax_fwd_into", "softmax_bwd_into"),
@@ -48,7 +48,10 @@ def run_info(args: argparse.Namespace) -> int:
           f"torch_geometric {_version('torch_geometric')}")
     print(f"extension built against torch {build['torch']} with {build['compiler']}, "
           f"OpenMP {build['openmp']}, CUDA sources {'built' if build['cuda'] else 'not built'}")
-    print(f"CPU: {torch.get_num_threads()} threads")
+    paths = cpu_paths()
+    print(f"CPU: {torch.get_num_threads()} threads; torch CPU capability {paths['torch_capability']} "
+          f"(ATEN_CPU_CAPABILITY; this CPU: {', '.join(paths['torch_capabilities'])}); nt_kernels CPU ISA path "
+          f"{paths['nt_kernels_isa']} (NT_KERNELS_CPU_ISA; this CPU: {', '.join(paths['nt_kernels_isa_paths'])})")
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             print(f"CUDA device {i}: {torch.cuda.get_device_name(i)}")
@@ -61,7 +64,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nt_kernels.apps import check, demo, train
+    from nt_kernels.apps import check, demo, train, tune
     from nt_kernels.bench import cli as bench
 
     parser = argparse.ArgumentParser(
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     bench.add_parser(sub)
     train.add_parser(sub)
+    tune.add_parser(sub)
     return parser
 
 

@@ -22,7 +22,7 @@ NT_INLINE acc_t nan_max(acc_t m, acc_t x) {
   return (x > m || x != x) ? x : m;
 }
 
-// x rounded to the output dtype's precision (and back), so that max ties are
+// x rounded to the output dtype's precision (and back), so that the maximum is
 // decided on the values the output holds.
 NT_INLINE float round_to(float x, RoundTo mode) {
   if (mode == RoundTo::BFLOAT16) return static_cast<float>(c10::BFloat16(x));
@@ -58,16 +58,15 @@ void gate_weights(const NtconvArgs<acc_t>& a, const NtconvItem& it, const acc_t*
 
 // Forward: the aggregation inputs of the item's rows from their messages m
 // (R x C_out), into a.messages (and a.gates); m may be the item's rows of
-// a.messages (sum, mean, max).  gamma, w: R x H scratch.
+// a.messages (sum, mean; max, whose m holds the pre-activations: see
+// output_messages).  gamma, w: R x H scratch.
 template <typename acc_t>
 void aggregation_inputs(const NtconvArgs<acc_t>& a, const NtconvItem& it, const acc_t* m,
                         acc_t* gamma, acc_t* w) {
   const int64_t R = it.rows(), C = a.C, H = a.H, D = a.D;
   acc_t* out = a.messages + it.row_begin * C;
   if (!a.gated()) {
-    if (a.aggr == Aggr::MAX) {
-      for (int64_t i = 0; i < R * C; ++i) out[i] = round_to(m[i], a.round_to);
-    } else if (m != out) {
+    if (m != out) {
       std::copy(m, m + R * C, out);
     }
     return;
@@ -133,7 +132,8 @@ void gated_message_grad(const NtconvArgs<acc_t>& a, const NtconvItem& it, const 
 }
 
 // Backward: dm (R x C_out) of the item's rows for every aggregator.
-//   sum: g[k];  mean: g[k] / deg(k);  max: g[k] / count[k] where m_r = out[k].
+//   sum: g[k];  mean: g[k] / deg(k);  max: g[k] / count[k] where the row's
+//   pre-activation (m holds it for max) equals the tie key key[k].
 template <typename acc_t>
 void message_grad(const NtconvArgs<acc_t>& a, const NtconvItem& it, const acc_t* m, acc_t* gamma,
                   acc_t* w, acc_t* dm) {
@@ -152,13 +152,44 @@ void message_grad(const NtconvArgs<acc_t>& a, const NtconvItem& it, const acc_t*
       const acc_t deg = static_cast<acc_t>(a.recv_rowptr[k + 1] - a.recv_rowptr[k]);
       for (int64_t c = 0; c < C; ++c) d[c] = g[c] / deg;
     } else {
-      const acc_t* peak = a.out + k * C;
       const acc_t* count = a.stats + k * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const bool at_max = round_to(m[i * C + c], a.round_to) == peak[c];
-        d[c] = at_max ? g[c] / count[c] : acc_t(0);
-      }
+      const acc_t* key = a.stats + (a.N_out + k) * C;
+      for (int64_t c = 0; c < C; ++c) d[c] = m[i * C + c] == key[c] ? g[c] / count[c] : acc_t(0);
     }
+  }
+}
+
+// max at receiver k from the pre-activations x in a.messages: out = the
+// largest message GELU(x) (rounded to the output dtype; NaN if one is NaN);
+// key = the largest x among the messages attaining it; count = the number of
+// messages whose x equals key, which share the maximum's gradient.  Pass 1
+// keeps a running (out, key) per channel, pass 2 counts; neither result
+// depends on the order of the rows.  0 for a receiver without messages.
+template <typename acc_t>
+void reduce_max(const NtconvArgs<acc_t>& a, int64_t k, acc_t* __restrict o, acc_t* __restrict count,
+                acc_t* __restrict key) {
+  const int64_t C = a.C, begin = a.recv_rowptr[k], end = a.recv_rowptr[k + 1];
+  fill(count, C, acc_t(0));
+  fill(key, C, acc_t(0));
+  if (begin == end) return;
+  fill(o, C, acc_t(-INFINITY));
+  fill(key, C, acc_t(-INFINITY));
+  for (int64_t i = begin; i < end; ++i) {
+    const acc_t* __restrict x = a.messages + a.recv_perm[i] * C;
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t m = round_to(gelu(x[c]), a.round_to);
+      key[c] = m > o[c] ? x[c] : (m == o[c] && x[c] > key[c] ? x[c] : key[c]);
+      o[c] = nan_max(o[c], m);
+    }
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    const acc_t* __restrict x = a.messages + a.recv_perm[i] * C;
+    for (int64_t c = 0; c < C; ++c) count[c] += x[c] == key[c] ? acc_t(1) : acc_t(0);
+  }
+  // A NaN maximum passes no gradient to any message.
+  for (int64_t c = 0; c < C; ++c) {
+    count[c] = o[c] != o[c] ? acc_t(0) : count[c];
+    key[c] = o[c] != o[c] ? o[c] : key[c];
   }
 }
 
@@ -171,19 +202,7 @@ void reduce_receivers(const NtconvArgs<acc_t>& a, int64_t k0, int64_t k1, acc_t*
     acc_t* __restrict o = out + k * C;
     fill(o, C, acc_t(0));
     if (a.aggr == Aggr::MAX) {
-      acc_t* count = stats + k * C;
-      fill(count, C, acc_t(0));
-      if (begin == end) continue;
-      const acc_t* first = a.messages + a.recv_perm[begin] * C;
-      std::copy(first, first + C, o);
-      for (int64_t i = begin + 1; i < end; ++i) {
-        const acc_t* x = a.messages + a.recv_perm[i] * C;
-        for (int64_t c = 0; c < C; ++c) o[c] = nan_max(o[c], x[c]);
-      }
-      for (int64_t i = begin; i < end; ++i) {
-        const acc_t* x = a.messages + a.recv_perm[i] * C;
-        for (int64_t c = 0; c < C; ++c) count[c] += x[c] == o[c] ? acc_t(1) : acc_t(0);
-      }
+      reduce_max(a, k, o, stats + k * C, stats + (a.N_out + k) * C);
     } else if (a.receiver_softmax()) {
       for (int64_t h = 0; h < H; ++h) {
         acc_t peak = -INFINITY, total = 0;

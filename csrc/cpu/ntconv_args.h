@@ -17,7 +17,7 @@ namespace nt_kernels::cpu {
 // Attention path of a segment, from the exact / Performer segment lists.
 enum SegmentPath : uint8_t { PATH_NONE = 0, PATH_EXACT = 1, PATH_PERFORMER = 2 };
 // Precision the messages of `max` are rounded to (the output dtype's), so
-// that ties are decided on the values the output holds.
+// that the maximum is decided on the values the output holds.
 enum class RoundTo : int { NONE, BFLOAT16, HALF };
 
 template <typename acc_t>
@@ -56,14 +56,15 @@ struct NtconvArgs {
   acc_t scale = 0;
   PerformerArgs<acc_t> performer;
   // Forward: lse (E x H, exact rows, 0 elsewhere) and the transient
-  // aggregation inputs per packed row: messages (E x C), gates (E x H, only
-  // for weighted_mean over receivers).
+  // aggregation inputs per packed row: messages (E x C; for max their
+  // pre-activations, the tie keys), gates (E x H, only for weighted_mean over
+  // receivers).
   float* lse = nullptr;
   acc_t* messages = nullptr;
   acc_t* gates = nullptr;
   // Backward: saved state and gradient inputs; outputs (nullptr: not wanted).
   const float* lse_in = nullptr;    // E x H
-  const acc_t* stats = nullptr;     // N_out x H or N_out x C
+  const acc_t* stats = nullptr;     // N_out x H, or for max 2 x N_out x C (tie counts, tie keys)
   const acc_t* out = nullptr;       // N_out x C
   const acc_t* grad_out = nullptr;  // N_out x C
   acc_t* d_centre = nullptr;        // N x C, zero-filled
@@ -93,7 +94,7 @@ struct NtconvItem {
 template <typename acc_t>
 struct ItemBuffers {
   acc_t *u, *z, *q, *k, *v, *o;  // R x C
-  acc_t *a, *m, *dm;             // R x C_out
+  acc_t *a, *m, *dm;             // R x C_out (backward, max: m holds the tie keys)
   acc_t *d_o, *d_q, *d_k, *d_v;  // R x C
   acc_t *edge, *d_edge;          // R x F
   acc_t *row_lse, *row_delta;    // R x H

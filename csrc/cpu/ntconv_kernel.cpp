@@ -70,7 +70,7 @@ namespace isa_base {
 }  // namespace isa_base
 
 #if !NT_CPU_X86
-namespace isa_avx2 = isa_base;  // never chosen: cpu_has_avx2() is false
+namespace isa_avx2 = isa_base;  // never chosen: cpu_use_avx2() is false
 #endif
 
 namespace {
@@ -82,7 +82,7 @@ constexpr int64_t WEIGHT_GRAIN = 4096;
 
 template <typename acc_t>
 NtconvKernels<acc_t> kernels() {
-  return cpu_has_avx2() ? isa_avx2::ntconv_kernels<acc_t>() : isa_base::ntconv_kernels<acc_t>();
+  return cpu_use_avx2() ? isa_avx2::ntconv_kernels<acc_t>() : isa_base::ntconv_kernels<acc_t>();
 }
 
 // Per-thread storage behind the workspaces, kept between calls (the pool's

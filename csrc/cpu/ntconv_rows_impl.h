@@ -145,14 +145,18 @@ void project_qkv_backward(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* z,
   }
 }
 
-// Step 4 (before aggregation): m (R x C_out) = GELU(o W_out^T + b_out).
+// Step 4 (before aggregation): m (R x C_out) = GELU(pre), pre = o W_out^T + b_out.
+// For max, m keeps pre: the receivers' reduction evaluates GELU itself and
+// decides ties on pre (reduce_receivers).
 template <typename acc_t>
 void output_messages(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* o, acc_t* m) {
   linear_rows(o, R, a.C, a.w_out_t, a.C_out, a.b_out, a.C_out, m);
+  if (a.aggr == Aggr::MAX) return;
   for (int64_t i = 0; i < R * a.C_out; ++i) m[i] = gelu(m[i]);
 }
 
-// Step 4 for the backward's recompute: m = GELU(pre) as output_messages, and
+// Step 4 for the backward's recompute: m = GELU(pre) as output_messages (for
+// max: pre itself, the tie key, which is all its message gradient reads), and
 // pre (R x C_out) is left holding GELU'(pre).
 template <typename acc_t>
 void output_messages_keep_grad(const NtconvArgs<acc_t>& a, int64_t R, const acc_t* o, acc_t* pre,
@@ -160,6 +164,14 @@ void output_messages_keep_grad(const NtconvArgs<acc_t>& a, int64_t R, const acc_
   linear_rows(o, R, a.C, a.w_out_t, a.C_out, a.b_out, a.C_out, pre);
   acc_t* __restrict in = pre;
   acc_t* __restrict out = m;
+  if (a.aggr == Aggr::MAX) {
+    for (int64_t i = 0; i < R * a.C_out; ++i) {
+      acc_t value;
+      out[i] = in[i];
+      gelu_and_grad(out[i], value, in[i]);
+    }
+    return;
+  }
   for (int64_t i = 0; i < R * a.C_out; ++i) gelu_and_grad(in[i], out[i], in[i]);
 }
 

@@ -56,12 +56,12 @@ namespace isa_base {
 }  // namespace isa_base
 
 #if !NT_CPU_X86
-namespace isa_avx2 = isa_base;  // never chosen: cpu_has_avx2() is false
+namespace isa_avx2 = isa_base;  // never chosen: cpu_use_avx2() is false
 #endif
 
 template <typename scalar_t>
 PerformerKernels<scalar_t> performer_kernels() {
-  return cpu_has_avx2() ? isa_avx2::performer_kernels<scalar_t>()
+  return cpu_use_avx2() ? isa_avx2::performer_kernels<scalar_t>()
                         : isa_base::performer_kernels<scalar_t>();
 }
 

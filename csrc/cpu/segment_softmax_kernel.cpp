@@ -55,7 +55,7 @@ namespace isa_base {
 }  // namespace isa_base
 
 #if !NT_CPU_X86
-namespace isa_avx2 = isa_base;  // never chosen: cpu_has_avx2() is false
+namespace isa_avx2 = isa_base;  // never chosen: cpu_use_avx2() is false
 #endif
 
 template <typename scalar_t>
@@ -107,7 +107,7 @@ void softmax_fwd_into_cpu(const at::Tensor& o, const at::Tensor& lse, const at::
     auto args = input_args<scalar_t>(q, k, v, scale);
     args.out = o.data_ptr<scalar_t>();
     args.lse = lse.data_ptr<float>();
-    run_rows(split, args, cpu_has_avx2() ? &isa_avx2::softmax_fwd_run<scalar_t>
+    run_rows(split, args, cpu_use_avx2() ? &isa_avx2::softmax_fwd_run<scalar_t>
                                          : &isa_base::softmax_fwd_run<scalar_t>);
   });
 }
@@ -141,7 +141,7 @@ void softmax_bwd_into_cpu(const at::Tensor& dq, const at::Tensor& dk, const at::
     args.dv = dv.data_ptr<scalar_t>();
     args.row_lse = stats.data_ptr<acc_t>();
     args.row_delta = args.row_lse + q.size(0) * q.size(1);
-    const bool avx2 = cpu_has_avx2();
+    const bool avx2 = cpu_use_avx2();
     run_rows(split, args, avx2 ? &isa_avx2::softmax_bwd_query_run<scalar_t>
                                : &isa_base::softmax_bwd_query_run<scalar_t>);
     run_rows(split, args, avx2 ? &isa_avx2::softmax_bwd_key_run<scalar_t>

@@ -172,7 +172,7 @@ NtconvShape check_ntconv_inputs(const char* op, const NtconvInputs& in) {
 }
 
 std::vector<int64_t> ntconv_stats_shape(const NtconvShape& s) {
-  if (s.aggr == Aggr::MAX) return {s.N_out, s.C};
+  if (s.aggr == Aggr::MAX) return {2, s.N_out, s.C};  // tie counts, then tie keys
   if (s.aggr == Aggr::WEIGHTED_MEAN && s.gate_group == GateGroup::RECEIVER) return {s.N_out, s.H};
   return {0};
 }

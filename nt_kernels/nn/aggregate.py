@@ -9,6 +9,8 @@ give zeros.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nt_kernels.csr import NeighbourhoodCSR, receiver_csr, reversed_csr
@@ -30,21 +32,27 @@ def segment_softmax(scores: torch.Tensor, csr: NeighbourhoodCSR) -> torch.Tensor
     return exp / total.index_select(0, segment)
 
 
-def segment_max(rows: torch.Tensor, csr: NeighbourhoodCSR) -> torch.Tensor:
-    """Max of (E, C) ``rows`` over each segment of ``csr`` with PyTorch's ``amax`` gradient rule.
+def segment_max(rows: torch.Tensor, csr: NeighbourhoodCSR, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Max of (E, C) ``rows`` over each segment of ``csr``; the gradient is split evenly among ties.
 
-    The gradient of a segment's max is split evenly among the rows that tie
-    for it (as ``torch.amax`` does, and ``nt_reference.nn.aggregate_dense``):
-    with the detached peak p, ``max = sum(rows where rows == p) / count(rows == p)``.
+    A tie is decided on ``keys`` (E, C), by default ``rows`` itself (torch.amax's rule): the
+    rows whose key equals the largest key among the rows attaining the maximum share its
+    gradient.  The NT layer passes the messages' pre-activations as keys, so that ties do not
+    depend on how torch's vectorised GELU rounded each position (docs/design.md §9, "Max ties").
     Reductions over contiguous segments only (no scatter), so deterministic.
     Empty segments give 0; a NaN in a segment gives NaN.
     """
+    keys = rows.detach() if keys is None else keys.detach()
     peak = torch.segment_reduce(rows.detach(), "max", offsets=csr.rowptr)
-    tied = rows == peak.index_select(0, csr.centre)
+    at_peak = rows.detach() == peak.index_select(0, csr.centre)
+    winner = torch.segment_reduce(torch.where(at_peak, keys, torch.full_like(keys, -math.inf)), "max",
+                                  offsets=csr.rowptr)
+    tied = keys == winner.index_select(0, csr.centre)
     count = torch.segment_reduce(tied.to(rows.dtype), "sum", offsets=csr.rowptr)
     total = torch.segment_reduce(torch.where(tied, rows, torch.zeros_like(rows)), "sum", offsets=csr.rowptr)
-    out = total / count.clamp(min=1)
-    return torch.where(torch.isnan(peak), peak, out)
+    out = peak + (total - total.detach()) / count.clamp(min=1)  # the value of peak, the gradient of the ties
+    empty = (csr.degree == 0).unsqueeze(-1)
+    return torch.where(empty, torch.zeros_like(out), out)
 
 
 def _gate(messages: torch.Tensor, csr: NeighbourhoodCSR, rcsr: NeighbourhoodCSR, aggr: str, heads: int,
@@ -64,11 +72,12 @@ def _gate(messages: torch.Tensor, csr: NeighbourhoodCSR, rcsr: NeighbourhoodCSR,
 
 
 def aggregate(messages: torch.Tensor, csr: NeighbourhoodCSR, aggr: str, *, num_nodes: int, heads: int = 1,
-              gate_group: str = "receiver") -> torch.Tensor:
+              gate_group: str = "receiver", keys: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce centre-packed (E, C) messages at their receivers into (num_nodes, C').
 
     ``sum``, ``mean`` and ``max`` reduce the C channels directly (empty -> 0);
-    ``max`` splits its gradient evenly among tied messages (:func:`segment_max`).
+    ``max`` splits its gradient evenly among tied messages, ties decided on ``keys`` (E, C) when
+    given, else on the messages (:func:`segment_max`).
     ``weighted_mean`` and ``gated_sum`` read C = 2 C' as ``heads`` blocks of
     [gate half | value half]; the gate of a message and head is the mean of its
     gate half, normalised by a softmax over the messages arriving at the same
@@ -90,7 +99,10 @@ def aggregate(messages: torch.Tensor, csr: NeighbourhoodCSR, aggr: str, *, num_n
     else:
         received = messages.index_select(0, rcsr.perm)
     if aggr == "max":
-        return segment_max(received, rcsr)
+        if keys is not None and keys.shape != messages.shape:
+            raise ValueError(f"aggregate: keys must have the messages' shape {tuple(messages.shape)}, "
+                             f"got {tuple(keys.shape)}")
+        return segment_max(received, rcsr, None if keys is None else keys.index_select(0, rcsr.perm))
     total = torch.segment_reduce(received, "sum", offsets=rcsr.rowptr)
     if aggr == "mean":
         return total / rcsr.degree.clamp(min=1).unsqueeze(-1).to(total.dtype)

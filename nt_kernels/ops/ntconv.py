@@ -31,7 +31,7 @@ _OPS = torch.ops.nt_kernels
 # --------------------------------------------------------------- fake kernels
 def _stats_shape(aggr: str, gate_group: str, num_out: int, channels: int, heads: int) -> tuple:
     if aggr == "max":
-        return (num_out, channels)
+        return (2, num_out, channels)  # tie counts, then tie keys
     if aggr == "weighted_mean" and gate_group == "receiver":
         return (num_out, heads)
     return (0,)

@@ -41,8 +41,39 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.unsqueeze(-1), probs, torch.zeros_like(probs))
 
 
-def aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_group="receiver"):
-    """Aggregate (E, C) messages of edges (centre -> receiver) at the receivers with dense masks."""
+def _max_at_receivers(messages, keys, receiver, num_nodes):
+    """Per receiver and channel the largest message, 0 without messages, NaN if a message is NaN.
+
+    The gradient is split evenly among the tied messages, where a tie is decided on ``keys``:
+    the messages whose key equals the largest key among the messages attaining the maximum
+    (docs/design.md §9, "Max ties": with keys = the pre-activations, a tie does not depend on how torch's
+    vectorised GELU rounded each position).  Scatters, not a dense (N, E, C) spread, which would
+    not fit for thousands of rows.
+    """
+    index = receiver.unsqueeze(1).expand_as(messages)
+    keys = keys.detach()
+
+    def scatter_max(values):
+        return values.new_full((num_nodes, values.shape[1]), -math.inf).scatter_reduce(
+            0, index, values, "amax", include_self=False)
+
+    peak = scatter_max(messages.detach())
+    at_peak = messages.detach() == peak.gather(0, index)
+    winner = scatter_max(torch.where(at_peak, keys, torch.full_like(keys, -math.inf)))
+    tied = keys == winner.gather(0, index)
+    count = torch.zeros_like(peak).scatter_add(0, index, tied.to(messages.dtype))
+    total = torch.zeros_like(peak).scatter_add(0, index, torch.where(tied, messages, torch.zeros_like(messages)))
+    out = peak + (total - total.detach()) / count.clamp(min=1)  # the value of peak, the gradient of the ties
+    has_message = torch.bincount(receiver, minlength=num_nodes).unsqueeze(1) > 0
+    return torch.where(has_message, out, torch.zeros_like(out))
+
+
+def aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_group="receiver", keys=None):
+    """Aggregate (E, C) messages of edges (centre -> receiver) at the receivers with dense masks.
+
+    ``keys`` (E, C), for ``max`` only: the values that decide ties (the messages' pre-activations
+    in the NT layer); by default the messages themselves, which is torch.amax's rule.
+    """
     nodes = torch.arange(num_nodes, device=messages.device)
     at_receiver = nodes.unsqueeze(1) == receiver.unsqueeze(0)
     incidence = at_receiver.to(messages.dtype)
@@ -57,16 +88,7 @@ def aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_gro
             weight = _masked_softmax(gate, nodes.unsqueeze(1) == centre.unsqueeze(0)).sum(0)
         return incidence @ (value * weight.unsqueeze(-1)).flatten(1)
     if aggr == "max":
-        # Per receiver and channel the largest message, 0 without messages; the
-        # gradient is split evenly among tied maxima (as amax does).  A scatter,
-        # not a dense (N, E, C) spread, which would not fit for thousands of rows.
-        # The initial value is -inf: amax's backward counts an initial value equal
-        # to the maximum as a tie even with include_self=False.
-        index = receiver.unsqueeze(1).expand_as(messages)
-        peak = messages.new_full((num_nodes, messages.shape[1]), -math.inf).scatter_reduce(
-            0, index, messages, "amax", include_self=False)
-        has_message = torch.bincount(receiver, minlength=num_nodes).unsqueeze(1) > 0
-        return torch.where(has_message, peak, torch.zeros_like(peak))
+        return _max_at_receivers(messages, messages if keys is None else keys, receiver, num_nodes)
     total = incidence @ messages
     if aggr == "mean":
         return total / incidence.sum(1, keepdim=True).clamp(min=1)
@@ -141,8 +163,8 @@ def _messages_and_aggregate(u, edge_index, num_nodes, w_qkv, b_qkv, w_out, b_out
     packed = neighbourhood_attention(q[order], k[order], v[order], rowptr, projection=projection,
                                      threshold=threshold, scale=scale, eps=eps)
     o = torch.zeros_like(packed).index_copy(0, order, packed)
-    messages = F.gelu(F.linear(o.flatten(1), w_out, b_out))
-    return aggregate_dense(messages, centre, receiver, num_nodes, aggr, heads, gate_group)
+    pre = F.linear(o.flatten(1), w_out, b_out)
+    return aggregate_dense(F.gelu(pre), centre, receiver, num_nodes, aggr, heads, gate_group, keys=pre)
 
 
 def ntconv_messages(centre_term, receiver_term, edge_index, w_qkv, b_qkv, w_out, b_out, *, heads,
