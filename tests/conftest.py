@@ -4,14 +4,25 @@ Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must
 be set before triton is first imported, so it is set here, before any test
 module imports nt_kernels.  The real graphs are found through $NT_KERNELS_DATA
 (set here to ../shared/data/heterophilous next to the checkout when unset).
+
+torch's Inductor reuses CPU kernels it cached under another
+ATEN_CPU_CAPABILITY (seen with torch 2.13 on an AVX-512 CPU: FlexAttention
+compiled under the default capability gave wrong results and then a
+segmentation fault when the suite reran under ATEN_CPU_CAPABILITY=avx2), so,
+unless TORCHINDUCTOR_CACHE_DIR is set, the tests keep one Inductor cache per
+capability (docs/design.md §9, "Max ties").
 """
+import getpass
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{torch.backends.cpu.get_cpu_capability().lower()}"))
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
