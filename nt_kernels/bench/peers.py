@@ -83,6 +83,13 @@ def _probe_nested(device: torch.device) -> None:
 def _probe_flex(device: torch.device) -> None:
     from torch.nn.attention.flex_attention import flex_attention  # noqa: F401  (ImportError: no FlexAttention)
 
+    # torch.compile's CPU FlexAttention template needs torch's AVX2 (or wider) kernels: it refuses a CPU
+    # without AVX2 and ATEN_CPU_CAPABILITY=default.
+    capability = torch.backends.cpu.get_cpu_capability()
+    if device.type == "cpu" and not capability.startswith(("AVX2", "AVX512")):
+        raise NotImplementedError(f"compiled FlexAttention on CPU needs AVX2 kernels, torch's CPU capability is "
+                                  f"{capability}")
+
 
 _probes: dict[tuple[str, str], str | None] = {}
 
