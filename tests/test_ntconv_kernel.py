@@ -268,3 +268,28 @@ def test_attention_outputs_of_covered_and_partial_lists(kind):
         listed[3:8] = False
     assert torch.equal(o[listed], full[listed])
     assert sum(sizes) == 13
+
+
+@pytest.mark.parametrize("lists", ["covered", "partial", "duplicate"])
+def test_rows_covered_is_checked_on_cpu(lists):
+    """rows_covered=True (what the public ops pass) skips the zero fill on every device; on CPU the
+    promise is checked, so lists that leave rows out or repeat a segment are an error."""
+    rowptr = torch.tensor([0, 3, 3, 8, 9])
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, grad_o = (torch.randn(9, 2, 4, generator=gen, dtype=torch.float64) for _ in range(4))
+    projection = nk.orthogonal_random_features(5, 4, generator=gen, dtype=torch.float64)
+    performer = {"covered": [2, 3], "partial": [3], "duplicate": [0, 2, 3]}[lists]
+    args = (rowptr, torch.tensor([0]), torch.tensor(performer), None, projection, 0.5, 1e-4)
+    o, lse = OPS.attention_fwd(q, k, v, *args)
+    grads = OPS.attention_bwd(grad_o, q, k, v, o, lse, *args)
+    if lists == "covered":
+        o2, lse2 = OPS.attention_fwd(q, k, v, *args, rows_covered=True)
+        grads2 = OPS.attention_bwd(grad_o, q, k, v, o2, lse2, *args, rows_covered=True)
+        for a, b in zip((o, lse, *grads), (o2, lse2, *grads2)):
+            assert torch.equal(a, b)
+        return
+    message = "rows_covered=True, but exact_segments and performer_segments do not name distinct segments"
+    with pytest.raises(RuntimeError, match=f"attention_fwd: {message}"):
+        OPS.attention_fwd(q, k, v, *args, rows_covered=True)
+    with pytest.raises(RuntimeError, match=f"attention_bwd: {message}"):
+        OPS.attention_bwd(grad_o, q, k, v, o, lse, *args, rows_covered=True)

@@ -128,9 +128,11 @@ def _sample_args(dtype=torch.float64):
             (q, k, v, rowptr, torch.arange(len(SIZES)), large[:0], None, None, 0.3, 1e-4)]
 
 
+@pytest.mark.parametrize("rows_covered", [False, True], ids=["zero-filled", "rows-covered"])
 @pytest.mark.parametrize("case", [0, 1], ids=["switched", "exact-only"])
-def test_opcheck(case):
-    torch.library.opcheck(torch.ops.nt_kernels.attention_fwd.default, _sample_args()[case])
+def test_opcheck(case, rows_covered):
+    torch.library.opcheck(torch.ops.nt_kernels.attention_fwd.default, _sample_args()[case],
+                          {"rows_covered": rows_covered})
 
 
 @pytest.mark.parametrize("name", ["softmax", "performer"])

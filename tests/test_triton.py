@@ -79,7 +79,7 @@ def assert_matches_reference(ours, q, k, v, rowptr, grad_o, scale=None):
 
 def run_exact(q, k, v, rowptr, grad_o, scale=None):
     """o, dq, dk, dv from the Triton kernels: through the public op on CUDA (forward and autograd),
-    through the backend functions on every segment on CPU (interpreter)."""
+    through the backend functions on every segment on CPU (interpreter), into NaN-filled outputs."""
     if HAS_CUDA:
         q, k, v = [x.detach().requires_grad_() for x in (q, k, v)]
         o = nt_kernels.segment_softmax_attention(q, k, v, rowptr, scale=scale)
@@ -89,8 +89,10 @@ def run_exact(q, k, v, rowptr, grad_o, scale=None):
     rowptr = rowptr.long()
     segments = torch.arange(rowptr.numel() - 1, device=DEVICE)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, dq, dk, dv = (torch.zeros_like(q) for _ in range(4))
-    lse = torch.zeros(q.shape[:2], device=DEVICE)
+    # NaN-filled outputs: the public ops allocate them without a fill on CUDA (rows_covered),
+    # so a row the kernels leave unwritten must fail the comparison.
+    o, dq, dk, dv = (torch.full_like(q, math.nan) for _ in range(4))
+    lse = torch.full(q.shape[:2], math.nan, device=DEVICE)
     ntt.softmax_fwd_into(o, lse, q, k, v, rowptr, segments, None, scale)
     ntt.softmax_bwd_into(dq, dk, dv, grad_o.contiguous(), q, k, v, o, lse, rowptr, segments, None, scale)
     return [o, dq, dk, dv]

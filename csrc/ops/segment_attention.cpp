@@ -25,13 +25,11 @@ c10::OperatorHandle op_handle(const char* name) {
 
 // Whether the two lists name distinct segments that hold every packed row:
 // then the kernels write every row of o (dq, dk, dv) and those outputs need
-// no zero fill.  O(S + K), read on the host, so only for CPU tensors (on a GPU
-// it would cost a sync; there the outputs stay zero-filled).  A list that
-// does not pass (duplicates, ids out of range) falls back to the zero fill,
-// and the kernels report bad ids.
+// no zero fill.  O(S + K), read on the host, so only for CPU tensors.  A list
+// that does not pass (duplicates, ids out of range) gives false, and the
+// kernels report bad ids.
 bool lists_cover_all_rows(const Tensor& rowptr, const Tensor& exact, const Tensor& performer,
                           int64_t num_rows) {
-  if (!rowptr.is_cpu() || !exact.is_cpu() || !performer.is_cpu()) return false;
   const Tensor rp = rowptr.contiguous();
   const int64_t* ptr = rp.data_ptr<int64_t>();
   const int64_t num_segments = rp.numel() - 1;
@@ -48,6 +46,23 @@ bool lists_cover_all_rows(const Tensor& rowptr, const Tensor& exact, const Tenso
   return rows == num_rows;
 }
 
+// Whether o (dq, dk, dv) may skip the zero fill because the kernels write
+// every row.  `rows_covered` is the caller's promise that the lists name
+// distinct segments holding every row (the public ops make it: their lists
+// partition the segments of a checked row pointer).  On CPU tensors the lists
+// are checked on the host whatever the caller says, and a false promise is an
+// error; on a GPU the check would cost a sync, so the promise is trusted and
+// without it the outputs are zero-filled.
+bool skip_zero_fill(const char* op, const Tensor& rowptr, const Tensor& exact,
+                    const Tensor& performer, int64_t num_rows, bool rows_covered) {
+  if (!rowptr.is_cpu() || !exact.is_cpu() || !performer.is_cpu()) return rows_covered;
+  const bool covers = lists_cover_all_rows(rowptr, exact, performer, num_rows);
+  TORCH_CHECK(covers || !rows_covered, op,
+              ": rows_covered=True, but exact_segments and performer_segments do not name "
+              "distinct segments that hold every packed row");
+  return covers;
+}
+
 // An output like `t`: uninitialised when every row will be written, else zeros.
 Tensor output_like(const Tensor& t, bool covered) {
   return covered ? at::empty_like(t) : at::zeros_like(t);
@@ -57,15 +72,19 @@ std::tuple<Tensor, Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
                                          const Tensor& rowptr, const Tensor& exact_segments,
                                          const Tensor& performer_segments,
                                          const OptTensor& exact_plan, const OptTensor& projection,
-                                         double scale, double eps) {
+                                         double scale, double eps, bool rows_covered) {
   check_packed("attention_fwd", q, k, v, rowptr);
   check_segments("attention_fwd", exact_segments, q);
   check_segments("attention_fwd", performer_segments, q);
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const bool covered = lists_cover_all_rows(rowptr, exact_segments, performer_segments, q.size(0));
+  const bool covered = skip_zero_fill("attention_fwd", rowptr, exact_segments, performer_segments,
+                                      q.size(0), rows_covered);
   auto o = output_like(qc, covered);
-  // lse stays zero-filled: Performer rows of it are never written (docs/design.md §1).
-  auto lse = at::zeros({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  // Rows of Performer segments in lse are never written: they stay zero (docs/design.md §1).
+  const auto lse_options = q.options().dtype(at::kFloat);
+  auto lse = covered && performer_segments.numel() == 0
+                 ? at::empty({q.size(0), q.size(1)}, lse_options)
+                 : at::zeros({q.size(0), q.size(1)}, lse_options);
   if (exact_segments.numel() > 0) {
     static auto op = op_handle("nt_kernels::softmax_fwd_into")
                          .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -88,12 +107,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd(
     const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
     const Tensor& lse, const Tensor& rowptr, const Tensor& exact_segments,
     const Tensor& performer_segments, const OptTensor& exact_plan, const OptTensor& projection,
-    double scale, double eps) {
+    double scale, double eps, bool rows_covered) {
   check_packed("attention_bwd", q, k, v, rowptr);
   TORCH_CHECK(grad_o.sizes() == q.sizes(), "attention_bwd: grad_o must have q's shape");
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto go = grad_o.to(q.scalar_type()).contiguous();
-  const bool covered = lists_cover_all_rows(rowptr, exact_segments, performer_segments, q.size(0));
+  const bool covered = skip_zero_fill("attention_bwd", rowptr, exact_segments, performer_segments,
+                                      q.size(0), rows_covered);
   auto dq = output_like(qc, covered), dk = output_like(qc, covered), dv = output_like(qc, covered);
   if (exact_segments.numel() > 0) {
     static auto op = op_handle("nt_kernels::softmax_bwd_into")
@@ -121,11 +141,12 @@ TORCH_LIBRARY(nt_kernels, m) {
   m.def(
       "attention_fwd(Tensor q, Tensor k, Tensor v, Tensor rowptr, Tensor exact_segments, "
       "Tensor performer_segments, Tensor? exact_plan, Tensor? projection, float scale, "
-      "float eps) -> (Tensor, Tensor)");
+      "float eps, *, bool rows_covered=False) -> (Tensor, Tensor)");
   m.def(
       "attention_bwd(Tensor grad_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
       "Tensor rowptr, Tensor exact_segments, Tensor performer_segments, Tensor? exact_plan, "
-      "Tensor? projection, float scale, float eps) -> (Tensor, Tensor, Tensor)");
+      "Tensor? projection, float scale, float eps, *, bool rows_covered=False) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def(
       "softmax_fwd_into(Tensor(a!) o, Tensor(b!) lse, Tensor q, Tensor k, Tensor v, "
       "Tensor rowptr, Tensor segments, Tensor? plan, float scale) -> ()");

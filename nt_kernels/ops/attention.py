@@ -4,6 +4,9 @@ All three public functions run through one op pair, ``nt_kernels::attention_fwd`
 and ``nt_kernels::attention_bwd`` (schemas in csrc/ops/segment_attention.cpp),
 which take the exact and the Performer segment lists and write both into one
 output.  This module gives that pair its fake (meta) kernels and autograd.
+The public functions pass ``rows_covered=True``: their two lists partition the
+non-empty segments of a checked row pointer, so every packed row is written and
+the op allocates its outputs without a zero fill.
 """
 from __future__ import annotations
 
@@ -28,13 +31,13 @@ _OPS = torch.ops.nt_kernels
 # --------------------------------------------------------------- fake kernels
 @torch.library.register_fake("nt_kernels::attention_fwd")
 def _attention_fwd_fake(q, k, v, rowptr, exact_segments, performer_segments, exact_plan,
-                        projection, scale, eps):
+                        projection, scale, eps, *, rows_covered=False):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.register_fake("nt_kernels::attention_bwd")
 def _attention_bwd_fake(grad_o, q, k, v, o, lse, rowptr, exact_segments, performer_segments,
-                        exact_plan, projection, scale, eps):
+                        exact_plan, projection, scale, eps, *, rows_covered=False):
     return torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
 
 
@@ -47,7 +50,7 @@ for _name in ("softmax_fwd_into", "softmax_bwd_into", "performer_fwd_into", "per
 
 
 # ------------------------------------------------------------------- autograd
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     q, k, v, rowptr, exact_segments, performer_segments, exact_plan, projection, scale, eps = inputs
     o, lse = output
     # Every tensor goes through save_for_backward, the projection and the plan
@@ -56,6 +59,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, rowptr, exact_segments, performer_segments, exact_plan, projection)
     ctx.scale = scale
     ctx.eps = eps
+    ctx.rows_covered = keyword_only_inputs.get("rows_covered", False)
     ctx.mark_non_differentiable(lse)
 
 
@@ -65,7 +69,7 @@ def _backward(ctx, grad_o, grad_lse):
         return (None,) * 10
     q, k, v, o, lse, rowptr, exact_segments, performer_segments, exact_plan, projection = ctx.saved_tensors
     grads = _OPS.attention_bwd(grad_o, q, k, v, o, lse, rowptr, exact_segments, performer_segments,
-                               exact_plan, projection, ctx.scale, ctx.eps)
+                               exact_plan, projection, ctx.scale, ctx.eps, rows_covered=ctx.rows_covered)
     return (*(g if need else None for g, need in zip(grads, needed)), *(None,) * 7)
 
 
@@ -136,7 +140,7 @@ def segment_softmax_attention(q, k, v, rowptr, *, scale=None) -> torch.Tensor:
     exact = _all_segments(rowptr) if csr is None else csr.segment_split(math.inf)[0]
     o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, _no_segments(rowptr),
                               backends.exact_plan(csr, math.inf, exact, q), None, _default_scale(q, scale),
-                              DEFAULT_EPS)
+                              DEFAULT_EPS, rows_covered=True)
     return o
 
 
@@ -151,7 +155,7 @@ def segment_performer_attention(q, k, v, rowptr, projection, *, eps=DEFAULT_EPS)
     rowptr, _ = _rowptr_of(op, rowptr, q)
     projection = _projection_for(op, projection, q)
     o, _ = _OPS.attention_fwd(q, k, v, rowptr, _no_segments(rowptr), _all_segments(rowptr), None,
-                              projection, _default_scale(q, None), float(eps))
+                              projection, _default_scale(q, None), float(eps), rows_covered=True)
     return o
 
 
@@ -178,5 +182,5 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
     else:
         exact, performer = split_segments(rowptr, threshold)
     o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, backends.exact_plan(csr, threshold, exact, q),
-                              projection, _default_scale(q, scale), float(eps))
+                              projection, _default_scale(q, scale), float(eps), rows_covered=True)
     return o
