@@ -6,11 +6,12 @@
 #    printed, and any kernel with spill stores > 0 fails the check;
 # 2. the SASS of every object is disassembled (cuobjdump --dump-sass) and the
 #    tensor-core instructions (HMMA, HGMMA) of every kernel are counted and
-#    printed; the check fails when a bfloat16 / float16 tensor-core Performer
-#    kernel (nt_kernels::cuda::performer_tc::*) has none, or when one of the
-#    six expected per dtype and arch is missing (keys and query-backward kernels
-#    in two accumulator variants, query forward, key gradients).  The SIMT Performer kernels
-#    (float32, and the bf16 / fp16 fallback) are listed with their count (0);
+#    printed; the check fails when a tensor-core Performer kernel
+#    (nt_kernels::cuda::performer_tc::*, bfloat16 / float16, and float32 as
+#    3xTF32) has none, or when one of the six expected per dtype and arch is
+#    missing (keys and query-backward kernels in two accumulator variants, query
+#    forward, key gradients).  The SIMT Performer kernels are listed with their
+#    count (0);
 # 3. every csrc/cuda/*_binding.cpp is syntax-checked with the host compiler
 #    against torch's headers (when torch is importable) and the CUDA headers.
 #
@@ -24,7 +25,7 @@ NVCC=${NVCC:-nvcc}
 CXX=${CXX:-g++}
 PYTHON=${PYTHON:-python3}
 ARCHS=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90)
-TC_KERNELS_PER_ARCH=12  # 6 tensor-core kernels x (__half, __nv_bfloat16)
+TC_KERNELS_PER_ARCH=18  # 6 tensor-core kernels x (__half, __nv_bfloat16, float)
 work=$(mktemp -d /tmp/nt-cuda-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
@@ -109,7 +110,7 @@ sort -s -k1,1 "$sass_all" | awk '{ arch = $1; count = $2; $1 = ""; $2 = ""; sub(
                                    printf "%-6s %5d tensor-core instr  %s\n", arch, count, $0 }'
 if ! awk -v want="$TC_KERNELS_PER_ARCH" '
     { arch = $1; count = $2; $1 = ""; $2 = ""; name = $0; sub(/^ +/, "", name) }
-    name ~ /performer_tc::tc_[a-z_]+_kernel</ && name ~ /(__half|__nv_bfloat16)/ {
+    name ~ /performer_tc::tc_[a-z_]+_kernel<(__half|__nv_bfloat16|float)[,>]/ {
       seen[arch]++
       if (count == 0) {
         print "cuda-check: no tensor-core instruction in " name " (" arch ")" > "/dev/stderr"
@@ -119,7 +120,7 @@ if ! awk -v want="$TC_KERNELS_PER_ARCH" '
     { archs[arch] = 1 }
     END {
       for (a in archs) if (seen[a] + 0 != want) {
-        printf "cuda-check: %d bf16/fp16 tensor-core Performer kernels for %s, expected %d\n",
+        printf "cuda-check: %d tensor-core Performer kernels for %s, expected %d\n",
                seen[a], a, want > "/dev/stderr"
         bad = 1
       }

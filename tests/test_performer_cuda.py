@@ -3,9 +3,10 @@
 Calls the composite ops directly with every segment on the Performer path:
 ``attention_fwd(q, k, v, rowptr, exact=empty, performer=all, None, P, scale, eps)`` and
 ``attention_bwd``.  On CUDA both implementations run, chosen per test with
-NT_KERNELS_PERFORMER: ``simt`` (fp32 arithmetic, every dtype) and ``tc`` (the
-default: tensor-core kernels for bfloat16 / float16 where the shape fits them,
-the SIMT kernels otherwise).
+NT_KERNELS_PERFORMER: ``simt`` (fp32 arithmetic, every dtype) and ``tc``
+(tensor-core kernels where the shape fits them: bfloat16 / float16 operands,
+float32 as 3xTF32 products; the SIMT kernels otherwise).  Unset, float32 runs
+the SIMT kernels and bfloat16 / float16 the tensor-core ones.
 
 Accuracy rule: the kernel's max error against the float64 reference is at most
 twice the error of a baseline in the test dtype, plus a floor relative to the
@@ -18,8 +19,9 @@ dtype-rounded inputs, its outputs rounded to the dtype.
 Without a GPU the same rule runs on the CPU kernel (``*_on_cpu`` tests) and on
 a float32 model of the tensor-core kernels' arithmetic (``tensor_core_model``:
 the same chunking, stabilisers, power-of-two scales and rounding points as
-csrc/cuda/segment_performer_tc_*), so the baseline logic and the fp16 range
-handling are checked on every CI run; the CUDA code itself needs a GPU.
+csrc/cuda/segment_performer_tc_*, and for float32 the 3xTF32 split of every
+product), so the baseline logic, the fp16 range handling and the accuracy of
+3xTF32 are checked on every CI run; the CUDA code itself needs a GPU.
 """
 import math
 
@@ -48,9 +50,9 @@ CPU_SIZES = [0, 1, 2, 7, 37, 255, 257, 0, 513, 3]
 SMALL_SIZES = [0, 1, 5, 40, 300]
 FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# (impl, dtype) pairs: float32 always runs the SIMT kernels.
+# (impl, dtype) pairs: "tc" runs float32 as 3xTF32 on the tensor cores.
 IMPL_DTYPES = [("simt", "float32"), ("simt", "bfloat16"), ("simt", "float16"),
-               ("tc", "bfloat16"), ("tc", "float16")]
+               ("tc", "float32"), ("tc", "bfloat16"), ("tc", "float16")]
 # (D, m): every head dim of the issue, default and explicit feature counts up to 300.
 # The tensor-core kernels take (ceil16(m) / 16) * (ceil16(D + 1) / 16) <= 64
 # (csrc/cuda/segment_performer_tc_layout.cuh); (64, 266) is past that and runs SIMT under "tc".
@@ -145,29 +147,49 @@ def _row_tiles(n):
             for t0 in range(c0, min(c0 + TC_CHUNK, n), TC_TILE)]
 
 
-def _model_key_sums(k, v, proj, ps, dsc, eps, rnd):
+def tf32(x):
+    """x rounded to TF32 (10 mantissa bits, ties away from zero), as wmma::__float_to_tf32."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def product(dtype):
+    """The tensor cores' product of two float32 tiles for ``dtype``: a plain float32 product
+    of the (already rounded) bf16 / fp16 operands, or for float32 the kernels' 3xTF32
+    (big = tf32(x), small = tf32(x - big); small*big + big*small + big*big)."""
+    if dtype != torch.float32:
+        return lambda a, b: a @ b
+
+    def three_tf32(a, b):
+        a_big, b_big = tf32(a), tf32(b)
+        a_small, b_small = tf32(a - a_big), tf32(b - b_big)
+        return a_small @ b_big + a_big @ b_small + a_big @ b_big
+    return three_tf32
+
+
+def _model_key_sums(k, v, proj, ps, dsc, eps, rnd, mm):
     """Keys pass + combine: W (m x D+1), the segment max M and sigma."""
     parts = {}
     for c0, t0, t1 in _row_tiles(k.shape[0]):
         a, mc, b = parts.get(c0, (0.0, -math.inf, 0.0))
         vt = torch.cat([v[t0:t1], torch.ones(t1 - t0, 1)], 1)
-        u = k[t0:t1] @ proj.T
+        u = mm(k[t0:t1], proj.T)
         mnew = max(mc, ps * u.max().item())
         a = a * (math.exp2(mc - mnew) if mc > -math.inf else 0.0)
         e = rnd(torch.exp2(ps * u - dsc * (k[t0:t1] ** 2).sum(1, keepdim=True) - mnew))
-        parts[c0] = (a + e.T @ vt, mnew, b + vt.sum(0))
+        parts[c0] = (a + mm(e.T, vt), mnew, b + vt.sum(0))
     mseg = max(mc for _, mc, _ in parts.values())
     w = sum(a * math.exp2(mc - mseg) for a, mc, _ in parts.values()) + eps * sum(b for *_, b in parts.values())
     return w, mseg, float(pow2_scale(w.abs().max()))
 
 
-def _model_input_grad(t, x, proj, c, rnd):
+def _model_input_grad(t, x, proj, c, rnd, mm):
     """dx = c t P - c^2 (sum t) x with t rounded after its row's power-of-two scale."""
     tau = pow2_scale(t.abs().max(1, keepdim=True).values)
-    return c * (rnd(t * tau) @ proj) / tau - c * c * t.sum(1, keepdim=True) * x
+    return c * mm(rnd(t * tau), proj) / tau - c * c * t.sum(1, keepdim=True) * x
 
 
-def _model_queries(q, g, proj, wp, sigma, ps, dsc, eps, c, rnd):
+def _model_queries(q, g, proj, wp, sigma, ps, dsc, eps, c, rnd, mm):
     """Query pass (forward and backward): o, dq and C (m x D+1)."""
     dim = q.shape[1]
     o, dq = torch.empty_like(q), torch.empty_like(q)
@@ -175,9 +197,9 @@ def _model_queries(q, g, proj, wp, sigma, ps, dsc, eps, c, rnd):
     for c0, t0, t1 in _row_tiles(q.shape[0]):
         acc, lexp = chunks.get(c0, (0.0, None))
         qt, gt = q[t0:t1], g[t0:t1]
-        u = qt @ proj.T
+        u = mm(qt, proj.T)
         e = torch.exp2(ps * u - (ps * u.max(1, keepdim=True).values + dsc * (qt ** 2).sum(1, keepdim=True)))
-        out = rnd(e + eps) @ wp
+        out = mm(rnd(e + eps), wp)
         den = out[:, dim:]
         o[t0:t1] = out[:, :dim] / den
         go = (gt * o[t0:t1]).sum(1, keepdim=True)
@@ -187,13 +209,13 @@ def _model_queries(q, g, proj, wp, sigma, ps, dsc, eps, c, rnd):
         le = math.frexp(lam.max().item())[1]
         if lexp is None or le > lexp:
             acc, lexp = acc * (2.0 ** (lexp - le) if lexp is not None else 0.0), le
-        acc = acc + rnd((e + eps) * lam * 2.0 ** -lexp).T @ hp
-        dq[t0:t1] = _model_input_grad((hp @ wp.T) * lam * e, qt, proj, c, rnd)
+        acc = acc + mm(rnd((e + eps) * lam * 2.0 ** -lexp).T, hp)
+        dq[t0:t1] = _model_input_grad(mm(hp, wp.T) * lam * e, qt, proj, c, rnd, mm)
         chunks[c0] = (acc, lexp)
     return o, dq, sum(sigma * 2.0 ** lexp * acc for acc, lexp in chunks.values())
 
 
-def _model_key_grads(k, v, proj, cmat, mseg, ps, dsc, eps, c, rnd):
+def _model_key_grads(k, v, proj, cmat, mseg, ps, dsc, eps, c, rnd, mm):
     """Key gradients from C: dk, dv."""
     dim = k.shape[1]
     tau_c = float(pow2_scale(cmat.abs().max()))
@@ -201,18 +223,20 @@ def _model_key_grads(k, v, proj, cmat, mseg, ps, dsc, eps, c, rnd):
     dk, dv = torch.empty_like(k), torch.empty_like(k)
     for _, t0, t1 in _row_tiles(k.shape[0]):
         kt, vt = k[t0:t1], torch.cat([v[t0:t1], torch.ones(t1 - t0, 1)], 1)
-        e = torch.exp2(ps * (kt @ proj.T) - dsc * (kt ** 2).sum(1, keepdim=True) - mseg)
-        dv[t0:t1] = (rnd(e + eps) @ cp)[:, :dim] / tau_c
-        dk[t0:t1] = _model_input_grad((vt @ cp.T) / tau_c * e, kt, proj, c, rnd)
+        e = torch.exp2(ps * mm(kt, proj.T) - dsc * (kt ** 2).sum(1, keepdim=True) - mseg)
+        dv[t0:t1] = mm(rnd(e + eps), cp)[:, :dim] / tau_c
+        dk[t0:t1] = _model_input_grad(mm(vt, cp.T) / tau_c * e, kt, proj, c, rnd, mm)
     return dk, dv
 
 
 def tensor_core_model(q, k, v, rowptr, projection, grad_o):
     """(o, dq, dk, dv) as the tensor-core kernels compute them, in float32 with the
     kernels' rounding to q.dtype at the tensor-core operands (features, W', h', the
-    scaled t, C').  Products of dtype values accumulate in float32, as on the tensor cores."""
+    scaled t, C').  Products of dtype values accumulate in float32, as on the tensor cores;
+    float32 products are 3xTF32 (:func:`product`)."""
     dtype, f32 = q.dtype, torch.float32
     rnd = lambda t: t.to(dtype).to(f32)  # noqa: E731
+    mm = product(dtype)
     m, dim = projection.shape
     c = dim ** -0.25
     ps, dsc = 1.4426950408889634 * c, 1.4426950408889634 * 0.5 * c * c
@@ -225,9 +249,9 @@ def tensor_core_model(q, k, v, rowptr, projection, grad_o):
             qs, ks, vs, gs = (t[rows, h].to(f32) for t in (q, k, v, grad_o))
             if qs.shape[0] == 0:
                 continue
-            w, mseg, sigma = _model_key_sums(ks, vs, proj, ps, dsc, EPS, rnd)
-            o, dq, cmat = _model_queries(qs, gs, proj, rnd(sigma * w), sigma, ps, dsc, EPS, c, rnd)
-            dk, dv = _model_key_grads(ks, vs, proj, cmat, mseg, ps, dsc, EPS, c, rnd)
+            w, mseg, sigma = _model_key_sums(ks, vs, proj, ps, dsc, EPS, rnd, mm)
+            o, dq, cmat = _model_queries(qs, gs, proj, rnd(sigma * w), sigma, ps, dsc, EPS, c, rnd, mm)
+            dk, dv = _model_key_grads(ks, vs, proj, cmat, mseg, ps, dsc, EPS, c, rnd, mm)
             for out, val in zip(outs, (o, dq, dk, dv)):
                 out[rows, h] = val
     return [t.to(dtype) for t in outs]
@@ -246,10 +270,11 @@ def test_accuracy_rule_on_cpu(dim, dtype):
 @pytest.mark.parametrize("dim, m, grad_scale", [(8, 16, 1.0), (23, 72, 1.0), (23, 72, 2.0 ** 12),
                                                 (30, 102, 1.0)],
                          ids=["D8-m16", "D23-m72", "D23-m72-grad-x4096", "D30-m102"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_tensor_core_model_within_bound(dim, m, grad_scale, dtype):
-    """The tensor-core kernels' arithmetic (model) meets the rule.  grad_o x 4096 puts
-    h = (g, -g.o) and t past float16's range unless scaled per row, as the kernels do."""
+    """The tensor-core kernels' arithmetic (model) meets the rule; float32 as 3xTF32.
+    grad_o x 4096 puts h = (g, -g.o) and t past float16's range unless scaled per row,
+    as the kernels do."""
     case = make_case(CPU_SIZES, dim, m=m, device="cpu")
     case[5] = case[5] * grad_scale
     assert_within_twice_baseline(case, DTYPES[dtype], f"tensor-core model, D={dim}, m={m}",
@@ -300,8 +325,8 @@ def test_only_listed_segments_are_written(impl, dtype, monkeypatch):
 
 
 @cuda_test
-@pytest.mark.parametrize("impl, dtype", [("simt", "float32"), ("simt", "bfloat16"), ("tc", "bfloat16"),
-                                         ("tc", "float16")])
+@pytest.mark.parametrize("impl, dtype", [("simt", "float32"), ("simt", "bfloat16"), ("tc", "float32"),
+                                         ("tc", "bfloat16"), ("tc", "float16")])
 def test_deterministic_and_nan_stays_in_its_segment(impl, dtype, monkeypatch):
     monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
     q, k, v, rowptr, projection, grad_o = cast(make_case(SIZES, 23), DTYPES[dtype])
@@ -322,11 +347,18 @@ def test_deterministic_and_nan_stays_in_its_segment(impl, dtype, monkeypatch):
 
 
 @cuda_test
-@pytest.mark.parametrize("impl, want_tc", [("tc", True), ("simt", False)])
-def test_implementation_switch_picks_the_kernels(impl, want_tc, monkeypatch):
-    """NT_KERNELS_PERFORMER=tc runs the tensor-core kernels for bf16 at D=30, m=102; simt does not."""
-    monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
-    case = cast(make_case(SMALL_SIZES, 30, m=102), torch.bfloat16)
+@pytest.mark.parametrize("impl, dtype, want_tc", [
+    ("tc", "bfloat16", True), ("simt", "bfloat16", False), ("", "bfloat16", True),
+    ("tc", "float32", True), ("simt", "float32", False), ("", "float32", False),
+], ids=["tc-bfloat16", "simt-bfloat16", "unset-bfloat16", "tc-float32", "simt-float32", "unset-float32"])
+def test_implementation_switch_picks_the_kernels(impl, dtype, want_tc, monkeypatch):
+    """At D=30, m=102: tc runs the tensor-core kernels (float32 as 3xTF32), simt does not;
+    unset, bf16 takes the tensor cores and float32 the SIMT kernels."""
+    if impl:
+        monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
+    else:
+        monkeypatch.delenv("NT_KERNELS_PERFORMER", raising=False)
+    case = cast(make_case(SMALL_SIZES, 30, m=102), DTYPES[dtype])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         kernel_fwd_bwd(*case)
         torch.cuda.synchronize()

@@ -3,10 +3,12 @@
 // no host sync), float32 scratch from the caching allocator, and the
 // torch-free launchers on the current stream of q's device.
 //
-// Kernels: bfloat16 and float16 run the tensor-core kernels when the shape
-// fits them (performer_tensor_cores_fit), float32 and other shapes the SIMT
-// kernels.  NT_KERNELS_PERFORMER=simt forces the SIMT kernels for every dtype
-// (read at every call; unset or "tc" is the default choice).
+// Kernels (NT_KERNELS_PERFORMER, read at every call): unset, bfloat16 and
+// float16 run the tensor-core kernels when the shape fits them
+// (performer_tensor_cores_fit), float32 and other shapes the SIMT kernels;
+// "tc" also runs float32 on the tensor cores where the shape fits, as 3xTF32
+// products (fp32 accuracy, not yet the default: never run on a GPU); "simt"
+// forces the SIMT kernels for every dtype.
 //
 // Segment ids and rowptr values are checked like the CPU kernels check them
 // (common/segment_table.h): an id out of range would read outside rowptr, and
@@ -73,7 +75,9 @@ cuda::PerformerImpl choose_impl(const char* op, at::ScalarType dtype, const Perf
   const std::string mode = env != nullptr ? env : "";
   TORCH_CHECK(mode.empty() || mode == "tc" || mode == "simt", op,
               ": NT_KERNELS_PERFORMER must be 'tc' or 'simt', got '", mode, "'");
-  if (mode == "simt" || dtype == at::kFloat || !cuda::performer_tensor_cores_fit(p))
+  const bool fp32 = dtype == at::kFloat;
+  if (mode == "simt" || (fp32 && mode != "tc") ||
+      !cuda::performer_tensor_cores_fit(p, fp32 ? sizeof(float) : 2))
     return cuda::PerformerImpl::Simt;
   return cuda::PerformerImpl::TensorCore;
 }

@@ -12,7 +12,9 @@ size_t performer_scratch_floats(const PerformerProblem& p, bool backward) {
   return scratch_layout(p, backward).total;
 }
 
-bool performer_tensor_cores_fit(const PerformerProblem& p) { return performer_tc::tc_fit(p); }
+bool performer_tensor_cores_fit(const PerformerProblem& p, size_t elem_bytes) {
+  return performer_tc::tc_fit(p, elem_bytes);
+}
 
 NT_PERFORMER_INSTANTIATE(float)
 

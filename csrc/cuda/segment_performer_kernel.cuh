@@ -23,8 +23,9 @@ constexpr int PERFORMER_CHUNK_ROWS = 256;
 constexpr int PERFORMER_MAX_DIM = 256;
 
 // Which kernels run a call: the SIMT kernels (every dtype, fp32 arithmetic) or
-// the tensor-core kernels (bf16 / fp16 only, shapes that pass
-// performer_tensor_cores_fit).  The binding chooses (NT_KERNELS_PERFORMER).
+// the tensor-core kernels (shapes that pass performer_tensor_cores_fit; bf16 /
+// fp16 by default, fp32 as 3xTF32 when asked).  The binding chooses
+// (NT_KERNELS_PERFORMER).
 enum class PerformerImpl : int { Simt = 0, TensorCore = 1 };
 
 struct PerformerProblem {
@@ -51,14 +52,15 @@ inline int64_t performer_chunk_capacity(int64_t rows, int64_t num_segments) {
 // float32 scratch elements the forward / backward launcher needs (for p.impl).
 size_t performer_scratch_floats(const PerformerProblem& p, bool backward);
 
-// Whether the tensor-core kernels can run p's shape: the (m x (D+1)) sums fit
-// the register-resident accumulators and every kernel's shared memory fits
-// p.smem_optin.  Independent of the dtype (the caller checks bf16 / fp16).
-bool performer_tensor_cores_fit(const PerformerProblem& p);
+// Whether the tensor-core kernels can run p's shape with operand elements of
+// `elem_bytes` (2: bf16 / fp16, 4: fp32): the (m x (D+1)) sums fit the
+// register-resident accumulators and every kernel's shared memory fits
+// p.smem_optin.
+bool performer_tensor_cores_fit(const PerformerProblem& p, size_t elem_bytes);
 
 // o = Performer attention of every row of the listed segments; other rows of o
 // are left untouched.  `scratch` holds performer_scratch_floats(p, false) floats.
-// Runs the tensor-core kernels when p.impl says so (T = __half or __nv_bfloat16).
+// Runs the tensor-core kernels when p.impl says so.
 template <typename T>
 cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k, const T* v,
                               const T* projection, T* o, float* scratch, cudaStream_t stream);
@@ -70,7 +72,7 @@ cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const
                                const T* v, const T* projection, T* dq, T* dk, T* dv,
                                float* scratch, cudaStream_t stream);
 
-// The tensor-core launchers (T = __half, __nv_bfloat16; segment_performer_tc_*.cu).
+// The tensor-core launchers (T = __half, __nv_bfloat16, float; segment_performer_tc_*.cu).
 template <typename T>
 cudaError_t performer_forward_tc(const PerformerProblem& p, const T* q, const T* k, const T* v,
                                  const T* projection, T* o, float* scratch, cudaStream_t stream);

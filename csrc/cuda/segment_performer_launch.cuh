@@ -104,10 +104,8 @@ using namespace launch;
 template <typename T>
 cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k, const T* v,
                               const T* projection, T* o, float* scratch, cudaStream_t stream) {
-  if constexpr (!std::is_same<T, float>::value) {
-    if (p.impl == PerformerImpl::TensorCore)
-      return performer_forward_tc<T>(p, q, k, v, projection, o, scratch, stream);
-  }
+  if (p.impl == PerformerImpl::TensorCore)
+    return performer_forward_tc<T>(p, q, k, v, projection, o, scratch, stream);
   if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, false);
@@ -128,10 +126,8 @@ template <typename T>
 cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const T* q, const T* k,
                                const T* v, const T* projection, T* dq, T* dk, T* dv,
                                float* scratch, cudaStream_t stream) {
-  if constexpr (!std::is_same<T, float>::value) {
-    if (p.impl == PerformerImpl::TensorCore)
-      return performer_backward_tc<T>(p, grad_o, q, k, v, projection, dq, dk, dv, scratch, stream);
-  }
+  if (p.impl == PerformerImpl::TensorCore)
+    return performer_backward_tc<T>(p, grad_o, q, k, v, projection, dq, dk, dv, scratch, stream);
   if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, true);

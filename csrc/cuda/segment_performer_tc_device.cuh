@@ -1,5 +1,6 @@
-// Device helpers of the tensor-core Performer kernels (bf16 / fp16 inputs,
-// fp32 accumulation, WMMA m16n16k16 fragments staged through shared memory):
+// Device helpers of the tensor-core Performer kernels (bf16 / fp16 inputs on
+// WMMA m16n16k16 fragments, or fp32 inputs as 3xTF32 on m16n16k8 fragments;
+// fp32 accumulation; operands staged through shared memory):
 // padded tile sizes, the shared-memory layout shared with the host, row
 // staging, the block-wide GEMM loops, row-wise reductions and the
 // last-chunk ticket of the in-kernel combines.  Algorithm:
@@ -25,7 +26,12 @@ using performer::Geometry;
 using performer::from_float;
 using performer::to_float;
 
-using Acc = wmma::fragment<wmma::accumulator, FRAG, FRAG, FRAG, float>;
+// k of the MMA fragments: 16 for bf16 / fp16 (m16n16k16), 8 for the TF32
+// pairs of float (m16n16k8); the accumulator tile is 16 x 16 fp32 either way.
+template <typename T>
+__host__ __device__ constexpr int frag_k() { return std::is_same<T, float>::value ? 8 : FRAG; }
+template <typename T>
+using Acc = wmma::fragment<wmma::accumulator, FRAG, FRAG, frag_k<T>(), float>;
 
 // The tensors of the TC passes; which ones a kernel reads or writes depends on the kernel.
 template <typename T>
@@ -82,7 +88,7 @@ __device__ __forceinline__ TcSmem<T> carve_smem(unsigned char* base, const TcLay
 // dst (TC_ROWS x ld) = rows [row0, row0 + nrows) of head h of the packed (E, H, D)
 // tensor x, columns [0, width): x's D values, then (when `ones`) a 1 in column
 // D, zeros elsewhere; rows past nrows are zero.  `vec`: D % 8 == 0 and x is
-// 16-byte aligned, so 8 values move as one 16-byte load.
+// 16-byte aligned, so 8 values move as 16-byte loads (one, or two for fp32).
 template <typename T>
 __device__ __forceinline__ void stage_rows(const T* __restrict__ x, int64_t row0, int nrows,
                                            int64_t heads, int64_t h, int dim, int width, int ld,
@@ -93,7 +99,10 @@ __device__ __forceinline__ void stage_rows(const T* __restrict__ x, int64_t row0
     const T* src = x + ((row0 + r) * heads + h) * dim;
     T* out = dst + r * ld + c0;
     if (r < nrows && vec && c0 + 8 <= dim) {
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(src + c0);
+      constexpr int WORDS = 8 * sizeof(T) / sizeof(uint4);
+#pragma unroll
+      for (int w = 0; w < WORDS; ++w)
+        reinterpret_cast<uint4*>(out)[w] = reinterpret_cast<const uint4*>(src + c0)[w];
       continue;
     }
 #pragma unroll
@@ -130,11 +139,56 @@ __device__ __forceinline__ void stage_matrix(const float* __restrict__ mat, floa
 
 // ---- block-wide GEMMs on shared-memory tiles ----
 
-// Offset of the 16 x 16 tile (tr, tc) of a matrix stored with leading dimension ld.
+// Offset of element (r, c) of a matrix stored with leading dimension ld.
 template <typename Layout>
-__device__ __forceinline__ int tile_offset(int tr, int tc, int ld) {
-  return std::is_same<Layout, wmma::row_major>::value ? tr * FRAG * ld + tc * FRAG
-                                                      : tc * FRAG * ld + tr * FRAG;
+__device__ __forceinline__ int element_offset(int r, int c, int ld) {
+  return std::is_same<Layout, wmma::row_major>::value ? r * ld + c : c * ld + r;
+}
+
+// 3xTF32: a float32 fragment x becomes big = tf32(x) (in place) and small =
+// tf32(x - big); a product is small*big + big*small + big*big, the
+// small*small term (below float32 rounding) dropped, so the sums keep float32
+// accuracy at three TF32 MMAs per step.
+template <typename Frag>
+__device__ __forceinline__ void split_tf32(Frag& big, Frag& small) {
+#pragma unroll
+  for (int e = 0; e < big.num_elements; ++e) {
+    const float x = big.x[e];
+    const float hi = wmma::__float_to_tf32(x);
+    big.x[e] = hi;
+    small.x[e] = wmma::__float_to_tf32(x - hi);
+  }
+}
+
+// acc += a's 16 x 16 tile (ti, k) times b's tile (k, tj): one m16n16k16 MMA
+// for bf16 / fp16, two 3xTF32 steps of k = 8 for float.
+template <typename T, typename LayoutA, typename LayoutB>
+__device__ __forceinline__ void mma_tile(Acc<T>& acc, const T* a, int lda, const T* b, int ldb, int ti,
+                                         int tj, int k) {
+  if constexpr (std::is_same<T, float>::value) {
+    constexpr int K8 = frag_k<T>();
+    using FragA = wmma::fragment<wmma::matrix_a, FRAG, FRAG, K8, wmma::precision::tf32, LayoutA>;
+    using FragB = wmma::fragment<wmma::matrix_b, FRAG, FRAG, K8, wmma::precision::tf32, LayoutB>;
+#pragma unroll
+    for (int step = 0; step < FRAG / K8; ++step) {
+      const int kk = k * FRAG + step * K8;
+      FragA a_big, a_small;
+      FragB b_big, b_small;
+      wmma::load_matrix_sync(a_big, a + element_offset<LayoutA>(ti * FRAG, kk, lda), lda);
+      wmma::load_matrix_sync(b_big, b + element_offset<LayoutB>(kk, tj * FRAG, ldb), ldb);
+      split_tf32(a_big, a_small);
+      split_tf32(b_big, b_small);
+      wmma::mma_sync(acc, a_small, b_big, acc);
+      wmma::mma_sync(acc, a_big, b_small, acc);
+      wmma::mma_sync(acc, a_big, b_big, acc);
+    }
+  } else {
+    wmma::fragment<wmma::matrix_a, FRAG, FRAG, FRAG, T, LayoutA> fa;
+    wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, T, LayoutB> fb;
+    wmma::load_matrix_sync(fa, a + element_offset<LayoutA>(ti * FRAG, k * FRAG, lda), lda);
+    wmma::load_matrix_sync(fb, b + element_offset<LayoutB>(k * FRAG, tj * FRAG, ldb), ldb);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
 }
 
 // c (mt*16 x nt*16, fp32 row-major, ldc) = a (mt*16 x kt*16) * b (kt*16 x nt*16);
@@ -142,28 +196,20 @@ __device__ __forceinline__ int tile_offset(int tr, int tc, int ld) {
 template <typename T, typename LayoutA, typename LayoutB>
 __device__ __forceinline__ void gemm_tiles(const T* a, int lda, const T* b, int ldb, float* c,
                                            int ldc, int mt, int nt, int kt) {
-  using FragA = wmma::fragment<wmma::matrix_a, FRAG, FRAG, FRAG, T, LayoutA>;
-  using FragB = wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, T, LayoutB>;
   for (int tile = threadIdx.x / 32; tile < mt * nt; tile += TC_WARPS) {
     const int ti = tile / nt, tj = tile % nt;
-    Acc acc;
+    Acc<T> acc;
     wmma::fill_fragment(acc, 0.f);
-    for (int k = 0; k < kt; ++k) {
-      FragA fa;
-      FragB fb;
-      wmma::load_matrix_sync(fa, a + tile_offset<LayoutA>(ti, k, lda), lda);
-      wmma::load_matrix_sync(fb, b + tile_offset<LayoutB>(k, tj, ldb), ldb);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
+    for (int k = 0; k < kt; ++k) mma_tile<T, LayoutA, LayoutB>(acc, a, lda, b, ldb, ti, tj, k);
     wmma::store_matrix_sync(c + ti * FRAG * ldc + tj * FRAG, acc, ldc, wmma::mem_row_major);
   }
 }
 
 // Accumulator tiles that stay in registers across the row tiles of a chunk:
 // warp w owns output tiles w, w + TC_WARPS, ... (at most ACC of them).
-template <int ACC>
+template <typename T, int ACC>
 struct AccTiles {
-  Acc f[ACC];
+  Acc<T> f[ACC];
 
   __device__ __forceinline__ void zero() {
 #pragma unroll
@@ -191,23 +237,15 @@ struct AccTiles {
 
 // acc (mt*16 x nt*16) += a (mt*16 x kt*16) * b (kt*16 x nt*16).
 template <typename T, typename LayoutA, typename LayoutB, int ACC>
-__device__ __forceinline__ void gemm_accumulate(AccTiles<ACC>& acc, const T* a, int lda, const T* b,
+__device__ __forceinline__ void gemm_accumulate(AccTiles<T, ACC>& acc, const T* a, int lda, const T* b,
                                                 int ldb, int mt, int nt, int kt) {
-  using FragA = wmma::fragment<wmma::matrix_a, FRAG, FRAG, FRAG, T, LayoutA>;
-  using FragB = wmma::fragment<wmma::matrix_b, FRAG, FRAG, FRAG, T, LayoutB>;
   const int warp = threadIdx.x / 32;
 #pragma unroll
   for (int j = 0; j < ACC; ++j) {
     const int tile = warp + TC_WARPS * j;
     if (tile >= mt * nt) continue;
     const int ti = tile / nt, tj = tile % nt;
-    for (int k = 0; k < kt; ++k) {
-      FragA fa;
-      FragB fb;
-      wmma::load_matrix_sync(fa, a + tile_offset<LayoutA>(ti, k, lda), lda);
-      wmma::load_matrix_sync(fb, b + tile_offset<LayoutB>(k, tj, ldb), ldb);
-      wmma::mma_sync(acc.f[j], fa, fb, acc.f[j]);
-    }
+    for (int k = 0; k < kt; ++k) mma_tile<T, LayoutA, LayoutB>(acc.f[j], a, lda, b, ldb, ti, tj, k);
   }
 }
 

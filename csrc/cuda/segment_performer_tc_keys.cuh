@@ -33,7 +33,7 @@ __device__ __forceinline__ void project_key_tile(const Geometry& g, const TcDims
 template <typename T, int ACC>
 __device__ __forceinline__ void keys_row_tile(const Geometry& g, const TcDims& d,
                                               const TcPass<T>& a, const TcSmem<T>& s,
-                                              int64_t row0, int nrows, int64_t h, AccTiles<ACC>& acc,
+                                              int64_t row0, int nrows, int64_t h, AccTiles<T, ACC>& acc,
                                               float& mrun, float& bsum) {
   project_key_tile(g, d, a, s, row0, nrows, h);
   if ((int)threadIdx.x < d.dim)
@@ -66,7 +66,7 @@ static_assert(PERFORMER_MAX_DIM <= TC_THREADS, "one thread per column of v in th
 // The chunk's A (m x (D+1)), M_c and B into scratch slot `rec`; `count`: the chunk's rows.
 template <typename T, int ACC>
 __device__ __forceinline__ void write_key_partials(const TcDims& d, const TcPass<T>& a,
-                                                   const TcSmem<T>& s, AccTiles<ACC>& acc, int64_t rec,
+                                                   const TcSmem<T>& s, AccTiles<T, ACC>& acc, int64_t rec,
                                                    float mrun, float bsum, int64_t count) {
   const int cols = d.dim + 1;
   __syncthreads();  // s.f (u of the last tile) is free
@@ -117,17 +117,20 @@ __device__ __forceinline__ void combine_keys(const Geometry& g, const TcDims& d,
   }
 }
 
+// Two blocks per SM (128 registers) except fp32's large variant, whose TF32
+// operand pairs need more registers next to the 8 accumulator tiles.
 template <typename T, int ACC>
-__global__ void __launch_bounds__(TC_THREADS, 2) tc_keys_kernel(Geometry g, TcDims d, TcPass<T> a) {
+__global__ void __launch_bounds__(TC_THREADS, std::is_same<T, float>::value && ACC > TC_ACC_SMALL ? 1 : 2)
+tc_keys_kernel(Geometry g, TcDims d, TcPass<T> a) {
   extern __shared__ __align__(REGION_ALIGN) unsigned char tc_smem[];
-  const TcSmem<T> s = carve_smem<T>(tc_smem, tc_layout(d, TC_KEYS));
+  const TcSmem<T> s = carve_smem<T>(tc_smem, tc_layout(d, TC_KEYS, sizeof(T)));
   stage_projection(a.proj, d, s.ps);  // visible after the first tile's barrier
   const int64_t total = g.chunk_offsets[g.num_segments] * g.heads;
   for (int64_t item = blockIdx.x; item < total; item += gridDim.x) {
     const int64_t h = item % g.heads;
     const Chunk ch = find_chunk(g, item / g.heads);
     if (ch.slot >= g.chunk_capacity) break;
-    AccTiles<ACC> acc;
+    AccTiles<T, ACC> acc;
     acc.zero();
     float mrun = -INFINITY, bsum = 0.f;
     for (int64_t r0 = ch.begin; r0 < ch.end; r0 += TC_ROWS)
@@ -223,7 +226,7 @@ __device__ __forceinline__ void key_grad_row_tile(const Geometry& g, const TcDim
 template <typename T>
 __global__ void __launch_bounds__(TC_THREADS, 2) tc_key_grad_kernel(Geometry g, TcDims d, TcPass<T> a) {
   extern __shared__ __align__(REGION_ALIGN) unsigned char tc_smem[];
-  const TcSmem<T> s = carve_smem<T>(tc_smem, tc_layout(d, TC_KEY_GRAD));
+  const TcSmem<T> s = carve_smem<T>(tc_smem, tc_layout(d, TC_KEY_GRAD, sizeof(T)));
   stage_projection(a.proj, d, s.ps);
   const int cols = d.dim + 1;
   const int64_t total = g.chunk_offsets[g.num_segments] * g.heads;

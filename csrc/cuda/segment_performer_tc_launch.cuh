@@ -24,15 +24,19 @@ inline bool aligned16(const void* ptr, int dim) {
   return dim % 8 == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
-// One grid-stride launch: opts in to `smem` bytes of dynamic shared memory when
-// above the 48 KB default, and sizes the grid by the kernel's occupancy.
+// One grid-stride launch of `smem` bytes of dynamic shared memory, the grid
+// sized by the kernel's occupancy.  Above the 48 KB default the kernel opts in
+// to the device's whole per-block limit, not to this call's size: the attribute
+// is process-wide, so host threads launching other shapes never shrink it
+// between another thread's opt-in and its launch (tc_fit keeps smem within it).
 template <typename T>
 cudaError_t launch_tc(TcKernelFn<T> kernel, const PerformerProblem& p, const Geometry& g,
                       const TcDims& d, const TcPass<T>& a, int kind, cudaStream_t stream) {
-  const size_t smem = tc_layout(d, kind).total;
+  const size_t smem = tc_layout(d, kind, sizeof(T)).total;
   cudaError_t err = cudaSuccess;
   if (smem > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               (int)p.smem_optin);
     if (err != cudaSuccess) return err;
   }
   int per_sm = 0;

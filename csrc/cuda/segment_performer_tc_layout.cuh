@@ -22,7 +22,7 @@ constexpr int TC_ROW_THREADS = TC_THREADS / TC_ROWS;  // threads sharing one row
 // (fewer registers, two blocks per SM) for (m x (D+1)) sums of at most 32 tiles.
 constexpr int TC_ACC_SMALL = 4;
 constexpr int TC_ACC_LARGE = 8;
-constexpr int SKEW_T = 8;    // 16-bit elements added to each shared row (bank spread; keeps 32-byte tiles)
+constexpr int SKEW_T = 8;    // operand elements added to each shared row (bank spread; keeps 32-byte tiles)
 constexpr int SKEW_F = 4;    // floats added to each fp32 shared row
 constexpr int REGION_ALIGN = 128;
 constexpr int TC_ROW_ARRAYS = 6;  // per-row floats: diag, row max, den, lambda, sum t, t scale
@@ -42,7 +42,7 @@ struct TcDims {
   int dp;      // D padded: q / k rows and P
   int dh;      // D + 1 padded: v' = (v, 1), W', h', C'
   int mp;      // m padded
-  int ld_x, ld_h, ld_e;  // 16-bit tiles: rows of q/k/P, of v'/W'/h'/C', of features
+  int ld_x, ld_h, ld_e;  // operand tiles (bf16 / fp16, or fp32 split into TF32 pairs): rows of q/k/P, v'/W'/h'/C', features
   int ld_u, ld_o, ld_acc;  // fp32 tiles: rows x m products, rows x D outputs, m x (D+1) staging
 };
 
@@ -72,7 +72,8 @@ __host__ __device__ inline int tc_acc_variant(const TcDims& d) {
   return tc_acc_tiles(d) <= TC_WARPS * TC_ACC_SMALL ? TC_ACC_SMALL : TC_ACC_LARGE;
 }
 
-// Byte offsets of the shared-memory regions of one kernel (unused ones empty).
+// Byte offsets of the shared-memory regions of one kernel (unused ones empty);
+// `elem` is the bytes of one staged operand element (2: bf16 / fp16, 4: fp32).
 struct TcLayout {
   size_t ps, ws, xs, hs, es, f, rows, red, flag, total;
 };
@@ -83,8 +84,8 @@ __host__ __device__ inline size_t take(size_t& off, size_t bytes) {
   return at;
 }
 
-__host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel) {
-  const size_t h = 2;  // bytes of one bf16 / fp16 element
+__host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel, size_t elem) {
+  const size_t h = elem;
   const bool queries = kernel == TC_QUERIES_FWD || kernel == TC_QUERIES_BWD;
   const bool matrix = kernel != TC_KEYS;  // W' or C' staged
   // fp32 tiles: u/e (+ dP) and the output tile; the keys' and the query
@@ -112,11 +113,11 @@ __host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel) {
 }
 
 // Largest dynamic shared memory of the kernels one call launches.
-inline size_t tc_smem_bytes(const TcDims& d, bool backward) {
+inline size_t tc_smem_bytes(const TcDims& d, bool backward, size_t elem) {
   size_t most = 0;
   for (int k : {TC_KEYS, TC_QUERIES_FWD, TC_QUERIES_BWD, TC_KEY_GRAD}) {
     if (!backward && (k == TC_QUERIES_BWD || k == TC_KEY_GRAD)) continue;
-    const size_t bytes = tc_layout(d, k).total;
+    const size_t bytes = tc_layout(d, k, elem).total;
     most = bytes > most ? bytes : most;
   }
   return most;
@@ -149,10 +150,10 @@ inline TcScratch tc_scratch_layout(const PerformerProblem& p, bool backward) {
 }
 
 // See performer_tensor_cores_fit.
-inline bool tc_fit(const PerformerProblem& p) {
+inline bool tc_fit(const PerformerProblem& p, size_t elem) {
   if (p.dim < 1 || p.features < 1) return false;
   const TcDims d = tc_dims(p.dim, p.features);
-  return tc_accumulators_fit(d) && tc_smem_bytes(d, true) <= p.smem_optin;
+  return tc_accumulators_fit(d) && tc_smem_bytes(d, true, elem) <= p.smem_optin;
 }
 
 }  // namespace performer_tc

@@ -83,7 +83,7 @@ template <typename T, int ACC>
 __device__ __forceinline__ void query_grad_tile(const Geometry& g, const TcDims& d,
                                                 const TcPass<T>& a, const TcSmem<T>& s,
                                                 int64_t row0, int nrows, int64_t h, float* of,
-                                                AccTiles<ACC>& cacc, int& lexp) {
+                                                AccTiles<T, ACC>& cacc, int& lexp) {
   float* uf = s.f;
   float* df = uf + TC_ROWS * d.ld_u;
   float* lam = s.rows + TC_ROWS;
@@ -132,7 +132,7 @@ __device__ __forceinline__ void write_output(const Geometry& g, const TcDims& d,
 // The chunk's C = sigma L acc into scratch slot `rec`.
 template <typename T, int ACC>
 __device__ __forceinline__ void write_grad_partials(const TcDims& d, const TcPass<T>& a,
-                                                    const TcSmem<T>& s, AccTiles<ACC>& cacc,
+                                                    const TcSmem<T>& s, AccTiles<T, ACC>& cacc,
                                                     int64_t rec, float sigma, int lexp) {
   const int cols = d.dim + 1;
   __syncthreads();  // every tile is done with s.f
@@ -164,11 +164,14 @@ __device__ __forceinline__ void combine_grads(const Geometry& g, const TcDims& d
 }
 
 // ACC: the accumulator variant of the backward (the forward has none and uses TC_ACC_SMALL).
+// One block per SM for the backward's large variant, and for fp32's backward
+// (TF32 operand pairs), else two.
 template <typename T, bool BACKWARD, int ACC>
-__global__ void __launch_bounds__(TC_THREADS, BACKWARD && ACC > TC_ACC_SMALL ? 1 : 2)
+__global__ void __launch_bounds__(TC_THREADS, BACKWARD && (ACC > TC_ACC_SMALL || std::is_same<T, float>::value) ? 1 : 2)
 tc_query_kernel(Geometry g, TcDims d, TcPass<T> a) {
   extern __shared__ __align__(REGION_ALIGN) unsigned char tc_smem[];
-  const TcSmem<T> s = carve_smem<T>(tc_smem, tc_layout(d, BACKWARD ? TC_QUERIES_BWD : TC_QUERIES_FWD));
+  const int kind = BACKWARD ? TC_QUERIES_BWD : TC_QUERIES_FWD;
+  const TcSmem<T> s = carve_smem<T>(tc_smem, tc_layout(d, kind, sizeof(T)));
   stage_projection(a.proj, d, s.ps);
   const int cols = d.dim + 1;
   float* of = s.f + (BACKWARD ? 2 : 1) * TC_ROWS * d.ld_u;
@@ -181,7 +184,7 @@ tc_query_kernel(Geometry g, TcDims d, TcPass<T> a) {
     const float sigma = a.wscale[si];
     __syncthreads();  // the previous item's products are done with s.ws
     stage_matrix(a.wseg + si * d.m * cols, sigma, d, s.ws);
-    AccTiles<ACC> cacc;
+    AccTiles<T, ACC> cacc;
     if constexpr (BACKWARD) cacc.zero();
     int lexp = INT_MIN;
     for (int64_t r0 = ch.begin; r0 < ch.end; r0 += TC_ROWS) {
