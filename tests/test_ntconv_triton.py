@@ -951,3 +951,48 @@ def test_compile_specs_name_every_kernel_argument(dtype):
         for fn, constexprs, options in launches(spec):
             assert sorted([*spec.types, *constexprs]) == sorted(fn.arg_names), spec.name
             assert set(options) == {"num_warps", "num_stages"}, spec.name
+
+
+# ------------------------------------------- segments left out of both lists
+def _nan_filled(alloc):
+    """``alloc`` (torch.empty / empty_like) whose floating results start as NaN: a row the
+    kernels leave unwritten then shows."""
+    def wrapped(*args, **kwargs):
+        t = alloc(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+    return wrapped
+
+
+@needs_cpu_op
+@pytest.mark.parametrize("lists", ["covered", "partial"])
+def test_segments_left_out_of_both_lists_match_the_cpu_op(lists, monkeypatch):
+    """With every row in a list the plan says so (rows_covered) and the chunk buffers skip their
+    zero fill; every uninitialised buffer here starts as NaN, so a row the kernels leave
+    unwritten fails.  A segment left out of both lists takes o = 0, as in the CPU op."""
+    case = Case(*make_graph(), "sum")
+    kw = dict(aggr="sum", gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=5)
+    args = list(op_args(case, dtype=torch.float32, **kw))
+    if lists == "partial":  # drop a one-row exact segment and the 14-row Performer one
+        args[13], args[14] = args[13][1:], args[14][:-1]
+    csr, n = case.csr, case.csr.num_nodes
+    plan = build_ntconv_plan(csr.rowptr, csr.receiver, args[13].cpu(), args[14].cpu(), n, CHUNK_ROWS, 64)
+    host = read_plan("test", plan, num_rows=csr.num_edges, num_segments=n, num_out=n, chunk_rows=CHUNK_ROWS,
+                     max_tile=64, num_exact=args[13].numel(), num_performer=args[14].numel(), num_nodes=n)
+    assert host.rows_covered == (lists == "covered")
+    if HAS_CUDA:
+        fwd, bwd, extra = torch.ops.nt_kernels.ntconv_fwd, torch.ops.nt_kernels.ntconv_bwd, {}
+    else:
+        fwd, bwd, extra = ntconv_op.ntconv_fwd, ntconv_op.ntconv_bwd, dict(chunk_rows=CHUNK_ROWS)
+        monkeypatch.setattr(torch, "empty", _nan_filled(torch.empty))
+        monkeypatch.setattr(torch, "empty_like", _nan_filled(torch.empty_like))
+    out, lse, stats = fwd(*args, **extra)
+    grads = bwd(case.grad_out.to(DEVICE, out.dtype), out, lse, stats, *args, [True, True, True], **extra)
+    monkeypatch.undo()
+    cpu_args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+    cpu_out, cpu_lse, cpu_stats = torch.ops.nt_kernels.ntconv_fwd(*cpu_args)
+    cpu_grads = torch.ops.nt_kernels.ntconv_bwd(case.grad_out.float(), cpu_out, cpu_lse, cpu_stats, *cpu_args,
+                                                [True, True, True])
+    assert_close(out.cpu(), cpu_out.double(), "output")
+    for name, grad, want in zip(GRAD_NAMES, grads, cpu_grads):
+        if want is not None and want.numel():
+            assert_close(grad.cpu(), want.double(), f"gradient of {name}")

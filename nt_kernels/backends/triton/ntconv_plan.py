@@ -63,7 +63,7 @@ __all__ = ["Chunk", "FUSED_MAGIC", "PIECE_ROWS", "Plan", "PrologueTiles", "REDUC
 FUSED_MAGIC = 0x4E54_4632  # "NTF2" (NTF1: one receiver group per item, no size classes)
 HEADER = 16
 (H_MAGIC, H_CHUNKS, H_CHUNK_ROWS, H_ROWS, H_SEGMENTS, H_OUT, H_MAX_TILE, H_EXACT, H_PERF,
- H_ITEMS_OFF, H_SPLITS_OFF, H_RROW_OFF, H_RECV_BOUND, H_PIECE_ROWS) = range(14)
+ H_ITEMS_OFF, H_SPLITS_OFF, H_RROW_OFF, H_RECV_BOUND, H_PIECE_ROWS, H_COVERED) = range(15)
 REDUCE_CLASSES = 7   # item size classes: slots of 1, 2, 4, ..., 64 rows
 PIECE_ROWS = 64      # the largest item; a larger group splits into pieces of this many rows
 # Per reduction list and chunk: REDUCE_CLASSES + 1 item bounds (absolute item indices, one range per class),
@@ -246,10 +246,13 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Plan:
-    """The host's view of a fused plan: its chunks and the rows per piece it was built with."""
+    """The host's view of a fused plan: its chunks, the rows per piece it was built with, and
+    whether the two segment lists hold every packed row (then the attention outputs of a chunk
+    need no zero fill: the kernels write every row)."""
 
     chunks: list[Chunk]
     piece_rows: int
+    rows_covered: bool = False
 
 
 def _sorted_ids(op: str, name: str, ids: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -387,6 +390,9 @@ def build_ntconv_plan(rowptr: torch.Tensor, receiver: torch.Tensor, exact_segmen
         recv_bound = hi + 1
     exact = _sorted_ids(op, "exact_segments", exact_segments.to(device), num_segments)
     perf = _sorted_ids(op, "performer_segments", performer_segments.to(device), num_segments)
+    listed = torch.zeros(num_segments, dtype=torch.bool, device=device)
+    listed[exact], listed[perf] = True, True
+    covered = int((torch.diff(rowptr) * listed).sum()) == num_rows
     seg_bounds, row_bounds = _chunk_bounds(rowptr, num_rows, chunk_rows) if num_rows else ([], [])
     num_chunks = max(len(seg_bounds) - 1, 0)
     row_starts = torch.tensor(row_bounds[:-1] or [0], dtype=torch.int64, device=device)
@@ -420,7 +426,7 @@ def build_ntconv_plan(rowptr: torch.Tensor, receiver: torch.Tensor, exact_segmen
     split_words = _as_words(torch.cat([lists[0][1], lists[1][1]]).reshape(-1))
     header = [FUSED_MAGIC, num_chunks, chunk_rows, num_rows, num_segments, num_out, max_tile,
               exact.numel(), perf.numel(), offset, offset + item_words.numel(),
-              offset + item_words.numel() + split_words.numel(), recv_bound, piece_rows]
+              offset + item_words.numel() + split_words.numel(), recv_bound, piece_rows, int(covered)]
     head = torch.tensor(header + [0] * (HEADER - len(header)) + table, dtype=torch.int64, device=device)
     return torch.cat([head, *regions, item_words, split_words, _as_words(rrow)])
 
@@ -462,7 +468,7 @@ def read_plan(op: str, plan: torch.Tensor, *, num_rows: int, num_segments: int, 
         chunks.append(Chunk(t[C_ROW0], t[C_ROW1], t[C_SEG0], t[C_SEG1], exact, perf,
                             plan[t[C_RPTR_OFF]:t[C_RPTR_OFF] + t[C_SEG1] - t[C_SEG0] + 1],
                             reduction(t, C_RECEIVERS), reduction(t, C_SEGMENTS), rrow[t[C_ROW0]:t[C_ROW1]]))
-    return Plan(chunks, head[H_PIECE_ROWS])
+    return Plan(chunks, head[H_PIECE_ROWS], bool(head[H_COVERED]))
 
 
 def cached_plan(csr, receiver_csr, threshold: float, dtype: torch.dtype, channels: int, heads: int,
