@@ -469,9 +469,12 @@ def test_torch_compile_fullgraph(dropout):
     csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
     kwargs = dict(aggr="gated_sum", projection=inp.projection, threshold=GIVEN_THRESHOLD, dropout=dropout)
     names = list(inp.tensors())
+    call = inp.replace()  # its tensors are set inside fn (copy.copy is untraceable in torch 2.11's dynamo)
 
     def fn(seed, *tensors):
-        return call_op(inp.replace(**dict(zip(names, tensors))), csr, seed=seed, **kwargs)
+        for name, t in zip(names, tensors):
+            setattr(call, name, t)
+        return call_op(call, csr, seed=seed, **kwargs)
 
     tensors = [t.clone().requires_grad_() for t in inp.tensors().values()]
     seed = torch.tensor(21)
