@@ -24,13 +24,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from nt_kernels.bench.layer import PRESETS, build_graph
+from nt_kernels.bench.layer import LEARNING_RATE, PRESETS, _model, _step, build_graph
 from nt_kernels.csr import NeighbourhoodCSR
-
-LEARNING_RATE = 1e-3
 
 
 def sync(device: torch.device) -> float:
@@ -39,24 +36,9 @@ def sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def make_model(name: str, graph, fused: bool):
-    from nt_kernels.nn import NT
-
-    p = PRESETS[name]
-    return NT(graph.x.shape[1], int(graph.y.max()) + 1, p.head_dim * p.heads, p.num_layers, heads=p.heads,
-              dropout=p.dropout, sep=p.sep, aggr=p.aggr, fused=fused)
-
-
 def train_step(model, optimizer, graph, csr, autocast: bool) -> torch.Tensor:
-    """Forward, cross-entropy on the loss nodes, backward, Adam step (nt_kernels.bench.layer's step)."""
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast(graph.x.device.type, dtype=torch.bfloat16, enabled=autocast):
-        logits = model(graph.x, csr)
-        nodes = graph.loss_nodes
-        loss = F.cross_entropy(logits if nodes is None else logits[nodes], graph.y if nodes is None else graph.y[nodes])
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+    """nt_kernels.bench.layer's step: forward, cross-entropy on the loss nodes, backward, Adam step."""
+    return _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast)
 
 
 def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], float]:
@@ -77,7 +59,7 @@ def profile_variant(args, variant: str, device: torch.device) -> dict:
     csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
     graph.edge_index = None
     torch.manual_seed(0)
-    model = make_model(args.graph, graph, fused=variant == "fused").to(device).train()
+    model = _model(PRESETS[args.graph], graph, fused=variant == "fused").to(device).train()
     model.prepare(csr, graph.x.shape[0])
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     autocast = args.dtype == "bfloat16-autocast"

@@ -166,9 +166,8 @@ void output_messages_keep_grad(const NtconvArgs<acc_t>& a, int64_t R, const acc_
   acc_t* __restrict out = m;
   if (a.aggr == Aggr::MAX) {
     for (int64_t i = 0; i < R * a.C_out; ++i) {
-      acc_t value;
       out[i] = in[i];
-      gelu_and_grad(out[i], value, in[i]);
+      in[i] = gelu_grad(in[i]);
     }
     return;
   }

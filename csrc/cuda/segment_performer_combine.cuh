@@ -15,16 +15,6 @@ namespace performer {
 // Elements of W one combine block reduces (8 per thread).
 constexpr int COMBINE_ELEMS = 8 * THREADS;
 
-__device__ __forceinline__ float block_max(float v, float* red) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[0];
-  for (int w = 1; w < WARPS; ++w) v = fmaxf(v, red[w]);
-  return v;
-}
-
 template <bool KEYS>
 __global__ void __launch_bounds__(THREADS)
 combine_kernel(Geometry g, float* __restrict__ part, const float* __restrict__ part_max,
@@ -36,7 +26,7 @@ combine_kernel(Geometry g, float* __restrict__ part, const float* __restrict__ p
   for (int64_t b = blockIdx.x; b < total; b += gridDim.x) {
     const int64_t fb = b % nfb, h = (b / nfb) % g.heads, i = b / (nfb * g.heads);
     const int64_t c0 = g.chunk_offsets[i];
-    const int64_t c1 = min(g.chunk_offsets[i + 1], g.chunk_capacity);
+    const int64_t c1 = chunk_end(g, i);
     if (c1 <= c0) continue;
     // Step 1 (keys): the segment's key stabiliser, max over chunks and features.
     float mseg = 0.f;
@@ -80,7 +70,7 @@ colsum_kernel(Geometry g, const float* __restrict__ part, float* __restrict__ co
   for (int64_t b = blockIdx.x; b < g.num_segments * g.heads; b += gridDim.x) {
     const int64_t i = b / g.heads, h = b % g.heads;
     const int64_t c0 = g.chunk_offsets[i];
-    if (min(g.chunk_offsets[i + 1], g.chunk_capacity) <= c0) continue;
+    if (chunk_end(g, i) <= c0) continue;
     const float* w = part + (c0 * g.heads + h) * m * cols;
     // Two levels in fixed order: warps over features (strided), then lane 0..31 over warps.
     for (int col0 = 0; col0 < cols; col0 += 32) {

@@ -104,6 +104,29 @@ __device__ __forceinline__ Chunk find_chunk(const Geometry& g, int64_t slot) {
   return c;
 }
 
+// Chunk slots [first, end) of listed segment `index` (end clipped to the scratch capacity).
+__device__ __forceinline__ int64_t chunk_end(const Geometry& g, int64_t index) {
+  return min(g.chunk_offsets[index + 1], g.chunk_capacity);
+}
+
+// Host side: rows of `dim` values at `ptr` may use 16-byte loads of full 8-wide chunks.
+inline bool vector_ok(const void* ptr, int dim) {
+  return dim % DCH == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// Max over the block of WARPS warps (NaN ignored, as fmaxf does); every thread
+// gets the result.  `red` holds WARPS floats of shared memory.
+__device__ __forceinline__ float block_max(float v, float* red) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = red[0];
+#pragma unroll
+  for (int w = 1; w < WARPS; ++w) v = fmaxf(v, red[w]);
+  return v;
+}
+
 template <typename T> __device__ __forceinline__ float to_float(T x);
 template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }

@@ -66,11 +66,6 @@ inline unsigned grid_for(const PerformerProblem& p, int64_t work) {
   return (unsigned)std::max<int64_t>(1, std::min(work, cap));
 }
 
-// Full 8-wide chunks may use 16-byte vector loads.
-inline bool vector_ok(const void* ptr, int dim) {
-  return dim % DCH == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
-
 // Keys pass + combine + colsum: leaves W (m x (D+1)) at every segment's first
 // chunk slot, its column sums, and the key stabiliser per segment and head.
 template <typename T>

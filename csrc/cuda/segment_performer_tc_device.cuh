@@ -20,6 +20,7 @@ namespace performer_tc {
 
 namespace wmma = nvcuda::wmma;
 using performer::Chunk;
+using performer::chunk_end;
 using performer::find_chunk;
 using performer::FULL_MASK;
 using performer::Geometry;
@@ -251,27 +252,15 @@ __device__ __forceinline__ void gemm_accumulate(AccTiles<T, ACC>& acc, const T* 
 
 // ---- reductions ----
 
-// Max over the block (NaN ignored, as fmaxf does); every thread gets the result.
-__device__ __forceinline__ float block_max(float v, float* red) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  v = red[0];
-#pragma unroll
-  for (int w = 1; w < TC_WARPS; ++w) v = fmaxf(v, red[w]);
-  return v;
-}
+// block_max (segment_performer_device.cuh) reduces over a block of WARPS warps.
+static_assert(TC_WARPS == performer::WARPS, "the tensor-core kernels share block_max");
+using performer::block_max;
 
 // Row-wise work: TC_ROW_THREADS consecutive lanes share one of the TC_ROWS rows.
 __device__ __forceinline__ int row_of_thread() { return threadIdx.x / TC_ROW_THREADS; }
 __device__ __forceinline__ int lane_in_row() { return threadIdx.x % TC_ROW_THREADS; }
 
-__device__ __forceinline__ float row_sum(float v) {
-#pragma unroll
-  for (int off = 1; off < TC_ROW_THREADS; off <<= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-  return v;
-}
+__device__ __forceinline__ float row_sum(float v) { return performer::group_sum(v, TC_ROW_THREADS); }
 __device__ __forceinline__ float row_max(float v) {
 #pragma unroll
   for (int off = 1; off < TC_ROW_THREADS; off <<= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, off));
@@ -314,11 +303,6 @@ __device__ __forceinline__ bool last_chunk(unsigned* counter, int64_t nchunks, i
   const bool last = *flag != 0;
   if (last) __threadfence();
   return last;
-}
-
-// Chunk slots [first, end) of a listed segment (end clipped to the scratch capacity).
-__device__ __forceinline__ int64_t chunk_end(const Geometry& g, int64_t index) {
-  return min(g.chunk_offsets[index + 1], g.chunk_capacity);
 }
 
 }  // namespace performer_tc

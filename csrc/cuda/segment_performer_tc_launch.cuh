@@ -19,10 +19,7 @@ namespace performer_tc {
 template <typename T>
 using TcKernelFn = void (*)(Geometry, TcDims, TcPass<T>);
 
-// 16-byte row loads need D % 8 == 0 and a 16-byte aligned base.
-inline bool aligned16(const void* ptr, int dim) {
-  return dim % 8 == 0 && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-}
+using performer::vector_ok;  // 16-byte row loads: D % 8 == 0 and a 16-byte aligned base
 
 // One grid-stride launch of `smem` bytes of dynamic shared memory, the grid
 // sized by the kernel's occupancy.  Above the 48 KB default the kernel opts in
@@ -75,8 +72,8 @@ cudaError_t launch_tc_keys(const PerformerProblem& p, const Geometry& g, const T
   keys.x = k;
   keys.y = v;
   keys.proj = projection;
-  keys.vec_x = aligned16(k, p.dim);
-  keys.vec_y = aligned16(v, p.dim);
+  keys.vec_x = vector_ok(k, p.dim);
+  keys.vec_y = vector_ok(v, p.dim);
   const auto kernel = tc_acc_variant(d) == TC_ACC_SMALL ? tc_keys_kernel<T, TC_ACC_SMALL>
                                                         : tc_keys_kernel<T, TC_ACC_LARGE>;
   return launch_tc<T>(kernel, p, g, d, keys, TC_KEYS, stream);
@@ -99,7 +96,7 @@ cudaError_t performer_forward_tc(const PerformerProblem& p, const T* q, const T*
   queries.x = q;
   queries.proj = projection;
   queries.out_x = o;
-  queries.vec_x = aligned16(q, p.dim);
+  queries.vec_x = vector_ok(q, p.dim);
   return launch_tc<T>(tc_query_kernel<T, false, TC_ACC_SMALL>, p, g, d, queries, TC_QUERIES_FWD,
                       stream);
 }
@@ -124,8 +121,8 @@ cudaError_t performer_backward_tc(const PerformerProblem& p, const T* grad_o, co
   queries.proj = projection;
   queries.out_x = dq;
   queries.counters = base.counters + seg_heads;
-  queries.vec_x = aligned16(q, p.dim);
-  queries.vec_y = aligned16(grad_o, p.dim);
+  queries.vec_x = vector_ok(q, p.dim);
+  queries.vec_y = vector_ok(grad_o, p.dim);
   const auto qkernel = tc_acc_variant(d) == TC_ACC_SMALL ? tc_query_kernel<T, true, TC_ACC_SMALL>
                                                          : tc_query_kernel<T, true, TC_ACC_LARGE>;
   err = launch_tc<T>(qkernel, p, g, d, queries, TC_QUERIES_BWD, stream);
@@ -137,8 +134,8 @@ cudaError_t performer_backward_tc(const PerformerProblem& p, const T* grad_o, co
   keys.proj = projection;
   keys.out_x = dk;
   keys.out_y = dv;
-  keys.vec_x = aligned16(k, p.dim);
-  keys.vec_y = aligned16(v, p.dim);
+  keys.vec_x = vector_ok(k, p.dim);
+  keys.vec_y = vector_ok(v, p.dim);
   return launch_tc<T>(tc_key_grad_kernel<T>, p, g, d, keys, TC_KEY_GRAD, stream);
 }
 

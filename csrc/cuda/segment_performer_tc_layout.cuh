@@ -86,7 +86,6 @@ __host__ __device__ inline size_t take(size_t& off, size_t bytes) {
 
 __host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel, size_t elem) {
   const size_t h = elem;
-  const bool queries = kernel == TC_QUERIES_FWD || kernel == TC_QUERIES_BWD;
   const bool matrix = kernel != TC_KEYS;  // W' or C' staged
   // fp32 tiles: u/e (+ dP) and the output tile; the keys' and the query
   // backward's epilogue reuse them for the (mp x D+1) accumulator staging.
@@ -102,7 +101,7 @@ __host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel, size_
   l.ps = take(off, h * d.mp * d.ld_x);
   l.ws = take(off, matrix ? h * d.mp * d.ld_h : 0);
   l.xs = take(off, h * TC_ROWS * d.ld_x);
-  l.hs = take(off, queries && kernel == TC_QUERIES_FWD ? 0 : h * TC_ROWS * d.ld_h);
+  l.hs = take(off, kernel == TC_QUERIES_FWD ? 0 : h * TC_ROWS * d.ld_h);
   l.es = take(off, h * TC_ROWS * d.ld_e);
   l.f = take(off, sizeof(float) * floats);
   l.rows = take(off, sizeof(float) * TC_ROW_ARRAYS * TC_ROWS);
@@ -112,11 +111,10 @@ __host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel, size_
   return l;
 }
 
-// Largest dynamic shared memory of the kernels one call launches.
-inline size_t tc_smem_bytes(const TcDims& d, bool backward, size_t elem) {
+// Largest dynamic shared memory of the four kernels.
+inline size_t tc_smem_bytes(const TcDims& d, size_t elem) {
   size_t most = 0;
   for (int k : {TC_KEYS, TC_QUERIES_FWD, TC_QUERIES_BWD, TC_KEY_GRAD}) {
-    if (!backward && (k == TC_QUERIES_BWD || k == TC_KEY_GRAD)) continue;
     const size_t bytes = tc_layout(d, k, elem).total;
     most = bytes > most ? bytes : most;
   }
@@ -153,7 +151,7 @@ inline TcScratch tc_scratch_layout(const PerformerProblem& p, bool backward) {
 inline bool tc_fit(const PerformerProblem& p, size_t elem) {
   if (p.dim < 1 || p.features < 1) return false;
   const TcDims d = tc_dims(p.dim, p.features);
-  return tc_accumulators_fit(d) && tc_smem_bytes(d, true, elem) <= p.smem_optin;
+  return tc_accumulators_fit(d) && tc_smem_bytes(d, elem) <= p.smem_optin;
 }
 
 }  // namespace performer_tc

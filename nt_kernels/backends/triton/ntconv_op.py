@@ -72,6 +72,12 @@ def segment_of_rows(chunk) -> torch.Tensor:
     return torch.searchsorted(chunk.rowptr, rows, right=True) - 1 + chunk.seg0
 
 
+def _uncovered_zeros(p: Problem, shape, dtype) -> torch.Tensor:
+    """An attention buffer of a chunk: uninitialised when the segment lists hold every row (the
+    kernels write each one), else zeros (rows of a segment in neither list stay 0)."""
+    return (torch.empty if p.plan.rows_covered else torch.zeros)(shape, dtype=dtype, device=p.device)
+
+
 def _attention_fwd(p: Problem, chunk, o, lse, q, k, v) -> None:
     if chunk.exact_plan is not None:
         softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32)
@@ -96,7 +102,7 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     jac = torch.empty((rows, p.channels), dtype=torch.float32, device=p.device) if backward else None
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
     q, k, v = qkv.unbind(0)
-    o = torch.empty_like(q) if p.plan.rows_covered else torch.zeros_like(q)
+    o = _uncovered_zeros(p, q.shape, q.dtype)
     _attention_fwd(p, chunk, o, lse, q, k, v)
     y = torch.empty((rows, p.out_channels), dtype=torch.float32, device=p.device)
     c = p.channels
@@ -223,8 +229,7 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     rows, c, prec, emu = chunk.rows, p.channels, p.dot_prec, p.bf16_emu
     seg_of_row = segment_of_rows(chunk)
     # lse rows of Performer segments are never read; zeros where a row may belong to no list.
-    lse = (torch.empty if p.plan.rows_covered else torch.zeros)((rows, p.heads), dtype=torch.float32,
-                                                                device=p.device)
+    lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
     # Recompute steps 1-3, then dy from the saved state.
     y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True)
     dy = _message_grad(p, chunk, y, seg_of_row, saved)
@@ -235,8 +240,7 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     rows_gemm(do, dy, p.w_out, rows=rows, k=p.out_channels, n=c, a_split=p.out_channels, a_part=0,
               a_row=p.out_channels, w_k=c, w_n=1, dot_prec=prec, bf16_emu=emu)
     # Attention backward, then du = (dqkv · w_qkv) · dz/du.
-    dqkv = (torch.empty if p.plan.rows_covered else torch.zeros)((3, rows, p.heads, p.head_dim), dtype=p.dtype,
-                                                                 device=p.device)
+    dqkv = _uncovered_zeros(p, (3, rows, p.heads, p.head_dim), p.dtype)
     _attention_bwd(p, chunk, dqkv[0], dqkv[1], dqkv[2], do, q, k, v, o, lse)
     du = torch.empty((rows, c), dtype=torch.float32, device=p.device)
     rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=rows * c, a_row=c, w_k=c, w_n=1,

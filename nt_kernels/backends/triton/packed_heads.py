@@ -65,6 +65,19 @@ def load_heads(ptr, offs, valid, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
+def tile_qkv(q_ptr, k_ptr, v_ptr, plan, tab, n_tiles, g, TILE: tl.constexpr, TILES: tl.constexpr,
+             H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Work item g's rows (tile_rows), their element offsets, whole rows of q, k, v, and the
+    (B, TILE, TILE) same-segment mask."""
+    row, seg, valid, h = tile_rows(plan, tab, n_tiles, g, TILE, TILES, H, HP)
+    offs = row * (H * D) + (h * D)[:, None]
+    q = load_heads(q_ptr, offs, valid, D, DP)
+    k = load_heads(k_ptr, offs, valid, D, DP)
+    v = load_heads(v_ptr, offs, valid, D, DP)
+    return row, valid, h, offs, q, k, v, seg[:, :, None] == seg[:, None, :]
+
+
+@triton.jit
 def store_heads(ptr, offs, valid, x, D: tl.constexpr, DP: tl.constexpr, BF16_EMU: tl.constexpr):
     """Store (B, TILE, DP), skipping padding columns and invalid rows."""
     d = tl.arange(0, DP)
@@ -110,12 +123,8 @@ def _fwd_heads_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, qk_scale,
     tab = tl.load(plan + H_TILE_OFF + CLASS)
     for g in range(tl.program_id(0), tl.cdiv(n_tiles, TILES), tl.num_programs(0)):
         # Step 1: the rows of TILES tiles, every head; whole rows of q, k, v.
-        row, seg, valid, h = tile_rows(plan, tab, n_tiles, g, TILE, TILES, H, HP)
-        offs = row * (H * D) + (h * D)[:, None]
-        q = load_heads(q_ptr, offs, valid, D, DP)
-        k = load_heads(k_ptr, offs, valid, D, DP)
-        v = load_heads(v_ptr, offs, valid, D, DP)
-        same = seg[:, :, None] == seg[:, None, :]
+        row, valid, h, offs, q, k, v, same = tile_qkv(q_ptr, k_ptr, v_ptr, plan, tab, n_tiles, g, TILE, TILES, H,
+                                                      HP, D, DP)
         # Step 2: scores in the log2 domain, block-diagonal mask per tile.
         s = tl.where(same, dot_d(q, k, DOT, DOT_PREC, BF16_EMU) * qk_scale, NEG_INF)
         # Step 3: one-pass softmax (every key of a row is in its tile) and P V.
@@ -138,14 +147,10 @@ def _bwd_heads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_p
     tab = tl.load(plan + H_TILE_OFF + CLASS)
     for g in range(tl.program_id(0), tl.cdiv(n_tiles, TILES), tl.num_programs(0)):
         # Step 1: whole rows of q, k, v, dO and the lse of TILES tiles, every head.
-        row, seg, valid, h = tile_rows(plan, tab, n_tiles, g, TILE, TILES, H, HP)
-        offs = row * (H * D) + (h * D)[:, None]
-        q = load_heads(q_ptr, offs, valid, D, DP)
-        k = load_heads(k_ptr, offs, valid, D, DP)
-        v = load_heads(v_ptr, offs, valid, D, DP)
+        row, valid, h, offs, q, k, v, same = tile_qkv(q_ptr, k_ptr, v_ptr, plan, tab, n_tiles, g, TILE, TILES, H,
+                                                      HP, D, DP)
         do = load_heads(do_ptr, offs, valid, D, DP)
         lse = tl.load(lse_ptr + row * H + h[:, None], mask=valid, other=0.0) * LOG2E_C
-        same = seg[:, :, None] == seg[:, None, :]
         # Step 2: P recomputed from the lse, zero outside the block diagonal.
         p = tl.where(same, tl.exp2(dot_d(q, k, DOT, DOT_PREC, BF16_EMU) * qk_scale - lse[:, :, None]), 0.0)
         # Step 3: dV = P^T dO; dS = P * (dP - delta) with dP = dO V^T and delta = rowsum(P * dP)
