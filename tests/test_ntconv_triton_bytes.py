@@ -101,10 +101,11 @@ def test_weight_grad_rejects_parts_that_are_not_row_blocks():
 # ------------------------------------------- intermediates in the parameters' dtype
 def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     """Under autocast's dtypes (float32 node terms, bfloat16 parameters) every per-row buffer the backward
-    writes (y, dz/du, dy, do, du) is bfloat16, do comes from the message gradient (no row GEMM reads
-    dy), and the result keeps the 2x rule."""
+    writes (y, z, dz/du, dy, do, du) is bfloat16, do comes from the message gradient and du from the
+    du kernel (no row GEMM reads dy or dqkv), and the result keeps the 2x rule."""
     seen = {}
     real_prologue, real_gemm, real_grad = ntconv_op.prologue, ntconv_op.rows_gemm, ntconv_op.message_grad
+    real_du = ntconv_op.du_and_centre
     c, c_out = case_channels = (8, 16)  # HEADS x DIM of the small graph; gated_sum: C_out = 2C
     products = {(c, c_out): "y", (3 * c, c): "du", (c_out, c): "do", (c, 3): "d_edge"}
 
@@ -117,6 +118,10 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
         seen.setdefault("gemm", set()).add((products[kw["k"], kw["n"]], out.dtype))
         return real_gemm(out, a, w, **kw)
 
+    def du_and_centre(du, *args):
+        seen["du"] = du.dtype
+        return real_du(du, *args)
+
     def message_grad(dy, y, mode, p, *args, do=None, **kw):
         assert (p.channels, p.out_channels) == case_channels
         seen.setdefault("message_grad", set()).add((dy.dtype, y.dtype, None if do is None else do.dtype))
@@ -126,12 +131,13 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     monkeypatch.setattr(ntconv_op, "prologue", prologue)
     monkeypatch.setattr(ntconv_op, "rows_gemm", rows_gemm)
     monkeypatch.setattr(ntconv_op, "message_grad", message_grad)
+    monkeypatch.setattr(ntconv_op, "du_and_centre", du_and_centre)
     run_low_precision(case, autocast=True, aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD,
                       dropout=0.2, seed=6)
     bf16 = torch.bfloat16
-    assert seen["z"] == seen["jac"] == bf16
-    # y and du in bf16; no row GEMM for do; d_edge in the edge features' float32
-    assert seen["gemm"] == {("y", bf16), ("du", bf16), ("d_edge", torch.float32)}
+    assert seen["z"] == seen["jac"] == seen["du"] == bf16
+    # y in bf16; no row GEMM for do or du; d_edge in the edge features' float32
+    assert seen["gemm"] == {("y", bf16), ("d_edge", torch.float32)}
     assert seen["message_grad"] == {(bf16, bf16, bf16)}
 
 
@@ -145,10 +151,12 @@ def test_bf16_every_aggregator_with_performer_neighbourhoods_and_chunks(aggr, ga
                       seed=6)
 
 
-@pytest.mark.parametrize("aggr, gate_group", [AGGRS[2], AGGRS[3]])
+@pytest.mark.parametrize("aggr, gate_group", [AGGRS[3], AGGRS[5]])
 def test_autocast_dirnt_reversed_graph(aggr, gate_group):
     """DirNT's second direction (the reversed CSR: edge_attr gathered through a non-trivial perm) under
-    autocast's dtypes, within the 2x rule; weight gradients bitwise equal on a rerun."""
+    autocast's dtypes, within the 2x rule; weight gradients bitwise equal on a rerun.  (``max`` on this
+    graph exceeds the rule with fp32 intermediates as well, issue 19's code: 0.145 vs PyTorch's 0.062 on
+    d_centre, from near-ties decided differently; bf16 ``max`` is checked on the undirected graph.)"""
     edge_index, n = make_graph(SIZES * 3, receivers=24, seed=5)
     csr = reversed_csr(NeighbourhoodCSR.from_edge_index(edge_index, n), n)
     case = low_precision_case(aggr, autocast=True, edge_index=edge_index.flip(0), num_nodes=n, csr=csr)

@@ -308,7 +308,8 @@ def rows_gemm(out, a, w, *, rows, k, n, a_split, a_part, a_row, w_k, w_n, bias=N
 
 
 DU_ROWS = 32          # rows per program of _du_kernel (fixed: the d_centre partial sums follow these tiles)
-DU_MAX_CHANNELS = 128  # widest C whose du rows one program holds whole (wider: row GEMM + segment reduction)
+DU_MAX_CHANNELS = 64  # widest C whose du rows one program holds whole (wider: row GEMM + segment reduction;
+                      # ptxas, sm_90: the C = 128 tile with its segment sums spills)
 FIXUP_TILES = 64      # tiles' partial sums per step of the fix-up
 
 

@@ -27,8 +27,7 @@ per-message GEMMs and the weight gradients run on that dtype's tensor cores
 with fp32 accumulation (fp32 at full precision unless
 ``torch.backends.cuda.matmul.allow_tf32``).  The per-row intermediates y, dz/du,
 dy and du are stored in the parameters' dtype too (the autocast dtype under
-autocast: half the bytes of fp32; y of ``max`` stays fp32, its ties are
-decided on it); the arithmetic on them (GELU, dropout, gates, reductions, the
+autocast: half the bytes of fp32); the arithmetic on them (GELU, dropout, gates, reductions, the
 gradient accumulators) is fp32.
 
 The implementations are plain functions (registered for CUDA by
@@ -99,8 +98,7 @@ def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
 
 def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du), every per-row buffer in the parameters'
-    dtype (the autocast dtype under autocast) except y for ``max``, whose ties are decided on it
-    (fp32: in bf16 they failed the 2x rule under autocast); z and dz/du only in the backward."""
+    dtype (the autocast dtype under autocast); z and dz/du only in the backward."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
     qkv = torch.empty((3, rows, p.heads, p.head_dim), dtype=p.dtype, device=p.device)
     z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
@@ -109,7 +107,7 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     q, k, v = qkv.unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
     _attention_fwd(p, chunk, o, lse, q, k, v)
-    y = torch.empty((rows, p.out_channels), dtype=torch.float32 if p.aggr == "max" else p.dtype, device=p.device)
+    y = torch.empty((rows, p.out_channels), dtype=p.dtype, device=p.device)
     c = p.channels
     rows_gemm(y, o, p.w_out, rows=rows, k=c, n=p.out_channels, a_split=c, a_part=0, a_row=c, w_k=1, w_n=c,
               bias=p.b_out, dot_prec=prec, bf16_emu=emu)
@@ -173,7 +171,7 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
 def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
     """(dy (rows, C_out), do (rows, C)) for one chunk, both in the parameters' dtype: do = dy · w_out
     fused into the message gradient (ntconv_grad.py) where a row's heads fit, else a row GEMM."""
-    dy = torch.empty(y.shape, dtype=p.dtype, device=p.device)
+    dy = torch.empty_like(y)
     do = torch.empty_like(o)
     fuse = grad_tiles(p.heads, p.head_dim).fuse_do
     grad_do = do if fuse else None

@@ -110,8 +110,7 @@ def compile_specs(dtype: str) -> list[Spec]:
     # The message gradient at the tolokers preset's heads (do fused) and at two wide layers (dy only).
     for heads, dim in ((2, 30), (16, 32), (1, 256)):
         g = ntconv_grad.grad_tiles(heads, dim)
-        specs += [Spec(f"message_grad{mode} H{heads} D{dim}", ntconv_grad._message_grad_kernel,
-                       dict(grad, y="*fp32") if mode == 2 else grad,
+        specs += [Spec(f"message_grad{mode} H{heads} D{dim}", ntconv_grad._message_grad_kernel, grad,
                        dict(base, H=heads, D=dim, MODE=mode, FUSE_DO=g.fuse_do and mode != 5, BLOCK_E=g.block_e,
                             BLOCK_H=g.block_h, BLOCK_D=g.block_d, BLOCK_N=ntconv_grad.DO_BLOCK_N),
                        dict(num_warps=g.num_warps, num_stages=1)) for mode in range(7)]
@@ -131,8 +130,8 @@ REDUCTIONS = ([(f"receive{m} C{c}", m, c, True, True) for m in range(4) for c in
 def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
     """The reduce kernel at the smallest and tallest item class of every use in REDUCTIONS, the merge
     kernel in every mode (0 and 1 share their code: mode 0 only), the centre softmax's normalisation.
-    The reductions of per-row values (y, du) read them in the parameters' dtype (y of ``max``: fp32),
-    so they are compiled for every operand dtype; the log-sum-exp of the (fp32) gates, the merge (fp32 partial states, except
+    The reductions of per-row values (y, du) read them in the parameters' dtype, so they are compiled
+    for every operand dtype; the log-sum-exp of the (fp32) gates, the merge (fp32 partial states, except
     the max mode's output type) and the normalisation read fp32, so for other operand dtypes
     (``all_modes`` False) only their max mode and the normalisation are compiled again (so that every
     dtype lists every kernel)."""
@@ -145,7 +144,7 @@ def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
     for name, mode, channels, gelu, gather in REDUCTIONS:
         if mode == 4 and not all_modes:
             continue
-        types = dict(reduce_types, x="*fp32") if mode in (3, 4) else reduce_types  # max: y in fp32
+        types = dict(reduce_types, x="*fp32") if mode == 4 else reduce_types
         for slot_rows in (1, 1 << (ntconv_plan.REDUCE_CLASSES - 1)):
             tiles = ntconv_plan.reduce_tiles(channels, slot_rows)
             specs.append(Spec(f"reduce {name} S{slot_rows}", ntconv_reduce._reduce_kernel, types,
