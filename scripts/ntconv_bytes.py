@@ -39,7 +39,7 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
                 0, ""))
     grad_in = (c_out * i + index + c * s) * r  # y, receiver, g = grad_out[receiver]
     out += [("bwd", "segment_of_rows", index * r, 0, "plan plumbing"),
-            ("bwd", "_prologue_kernel (+ z, dz/du)", prologue + 2 * c * i * r if i else prologue, prologue_flops, ""),
+            ("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
             ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
             ("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
     if fused_do:
@@ -52,7 +52,7 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     out += [("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
              + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""),
             ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
-            ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * i) * r
+            ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * s) * r
              + 2 * splits * 3 * c * (c + 1) * 4, 2 * r * 3 * c * (c + 16), "")]
     du = (3 * c * s + 2 * c * i + (index if fused_do else 0)) * r
     if fused_do:  # the tile's segment sums ride along (one-hot products), crossing segments' partials fixed up
