@@ -150,10 +150,11 @@ def weight_grad_tiles(rows: int, m: int, n: int, dtype_bytes: int = 2) -> Weight
     allows, at most 128 (C = 60: one 64 x 64 tile per part of w_qkv, two for w_out's 120 rows); the
     rows split into about WGRAD_SPLITS blocks of a power-of-two size (>= WGRAD_MIN_SPLIT_ROWS),
     combined in block order.  4 warps; float32 operands (``dtype_bytes`` = 4) take 8 warps and half the
-    accumulator (ptxas: w_out's 64 x 64 fp32 tile spills at C = 64 even on 8 warps).  Depends on sizes
-    only."""
+    accumulator, at most 64 rows (ptxas: w_out's 64 x 64 fp32 tile spills at C = 64 even on 8 warps,
+    w_edge's 128 x 16 at C = 256 on sm_89).  Depends on sizes only."""
     block_n = min(_pow2(n), 128)  # 256-wide B tiles spill on sm_89 (bf16)
-    block_m = min(_pow2(m), max(16, WGRAD_ACCUMULATOR // (block_n * max(dtype_bytes // 2, 1))), 128)
+    wide = dtype_bytes > 2
+    block_m = min(_pow2(m), max(16, WGRAD_ACCUMULATOR // (block_n * (2 if wide else 1))), 64 if wide else 128)
     split_rows = _pow2(-(-max(rows, 1) // WGRAD_SPLITS), WGRAD_MIN_SPLIT_ROWS)
     return WeightGradTiles(32, block_m, block_n, split_rows, -(-rows // split_rows), 8 if dtype_bytes > 2 else 4)
 
