@@ -8,7 +8,8 @@ and backward, and the time each implies at the H100 roofs below.  Nothing here
 is measured: it is the estimate docs/kernels-performer-cuda.md quotes
 ("Roofline estimate"), unverified on a GPU.
 
-    python scripts/performer_tc_roofline.py --graph tolokers --heads 2 --dim 30 --features 102
+    NT_KERNELS_DATA=../shared/data/heterophilous \
+        python scripts/performer_tc_roofline.py --graph tolokers --heads 2 --dim 30 --features 102
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def rup(n: int, k: int = FRAG) -> int:
     return -(-n // k) * k
 
 
-def performer_segments(graph: str, heads: int, dim: int, m: int) -> list[int]:
-    data = load_dataset(graph)
+def performer_segments(graph: str, data_root: str | None, dim: int, m: int) -> list[int]:
+    """Sizes of the graph's neighbourhoods that take the Performer path (n > n*)."""
+    data = load_dataset(graph, data_root)
     csr = NeighbourhoodCSR.from_edge_index(data.edge_index, data.num_nodes)
     sizes = torch.diff(csr.rowptr)
     return sizes[sizes > switch_threshold(m, dim)].tolist()
@@ -106,13 +108,14 @@ def device_bytes(sizes: list[int], heads: int, dim: int, m: int, elem: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graph", default="tolokers")
+    ap.add_argument("--data-root", default=None, help="folder of the npz files (default: $NT_KERNELS_DATA)")
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=30)
     ap.add_argument("--features", type=int, default=102)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args()
     elem = 2 if args.dtype == "bfloat16" else 4
-    sizes = performer_segments(args.graph, args.heads, args.dim, args.features)
+    sizes = performer_segments(args.graph, args.data_root, args.dim, args.features)
     tiles = tile_rows(sizes)
     print(f"{args.graph}: {len(sizes)} Performer segments, {sum(sizes)} rows, "
           f"{sum(-(-n // CHUNK) for n in sizes)} chunks, {len(tiles)} row tiles per head; "

@@ -30,7 +30,7 @@ constexpr int TC_ACC_SMALL = 2;
 constexpr int TC_ACC_MEDIUM = 4;
 constexpr int TC_ACC_LARGE = 8;
 constexpr int SKEW_T = 8;    // operand elements added to each shared row (bank spread; keeps 32-byte tiles)
-constexpr int SKEW_F = 8;    // floats added to each fp32 shared row (fragment stores and row-wise reads: no bank conflict)
+constexpr int SKEW_F = 8;    // floats added to each fp32 shared row (fragment stores, row-wise reads: no conflict)
 constexpr int REGION_ALIGN = 128;
 constexpr int TC_ROW_ARRAYS = 6;  // per-row floats: diag, row max, den, lambda, sum t, t scale
 
