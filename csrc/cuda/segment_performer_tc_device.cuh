@@ -1,8 +1,8 @@
 // Device helpers of the tensor-core Performer kernels (bf16 / fp16 inputs on
-// WMMA m16n16k16 fragments, or fp32 inputs as 3xTF32 on m16n16k8 fragments;
-// fp32 accumulation; operands staged through shared memory): the work-item
-// walk, the cp.async row staging, the block-wide GEMM loops, register
-// accumulators and the column sums on the tensor cores.  Reductions, row-wise
+// mma.sync m16n8k16, or fp32 inputs as 3xTF32 on m16n8k8; fp32 accumulation;
+// operands staged through shared memory): the work-item walk, the cp.async
+// row staging, the block-wide GEMM loops, register accumulators and the
+// column sums on the tensor cores.  Reductions, row-wise
 // steps and the last-chunk ticket are in segment_performer_tc_rows.cuh.
 // Algorithm: docs/kernels-performer-cuda.md, "CUDA Performer on tensor cores".
 //

@@ -5,7 +5,7 @@
 //                       block to finish combines W = sum_c exp2(M_c - M) A_c + eps sum_c B_c
 //                       in chunk order.
 //   tc_key_grad_kernel  per chunk and head: dv = p C[:D], dk from t = (C v') e.
-// Products (all WMMA, fp32 accumulators): u = K P^T, A += E^T V', B = 1^T V',
+// Products (all mma.sync, fp32 accumulators): u = K P^T, A += E^T V', B = 1^T V',
 // dv' = P_k C', dp' = V' C'^T, dk' = T' P.  Included only by segment_performer_tc_*.cu.
 #pragma once
 #include "cuda/segment_performer_tc_rows.cuh"
@@ -35,8 +35,7 @@ __device__ __forceinline__ void keys_row_tile(const Geometry& g, const TcDims& d
                                               float& bsum) {
   float* uf = s.f;
   float* cs = s.f + TC_ROWS * d.ld_u;
-  gemm_rows<T, false, true>(s.xs, d.ld_x, s.ps, d.ld_x, uf, d.ld_u, d.mp / FRAG,
-                                                 d.dp / FRAG);
+  gemm_rows<T, false, true>(s.xs, d.ld_x, s.ps, d.ld_x, uf, d.ld_u, d.mp / FRAG, d.dp / FRAG);
   column_sums(s.hs, d.ld_h, cs, d.ld_o, d.dh / FRAG);
   __syncthreads();
   if ((int)threadIdx.x < d.dim) bsum += cs[threadIdx.x];
@@ -220,8 +219,7 @@ __device__ __forceinline__ void key_grad_row_tile(const Geometry& g, const TcDim
   float* of = df + TC_ROWS * d.ld_u;
   float* tsum = s.rows + TC_ROWS;
   float* tsc = s.rows + 2 * TC_ROWS;
-  gemm_rows<T, false, true>(s.xs, d.ld_x, s.ps, d.ld_x, uf, d.ld_u, d.mp / FRAG,
-                                                 d.dp / FRAG);
+  gemm_rows<T, false, true>(s.xs, d.ld_x, s.ps, d.ld_x, uf, d.ld_u, d.mp / FRAG, d.dp / FRAG);
   __syncthreads();
   // e = exp2(u2 - diag2 - M) (fp32, kept) and p = e + eps (T); zero outside the valid rows and features.
   const int r = row_of_thread();
@@ -234,17 +232,14 @@ __device__ __forceinline__ void key_grad_row_tile(const Geometry& g, const TcDim
     s.es[r * d.ld_e + f] = from_float<T>(ok ? e + g.eps : 0.f);
   }
   __syncthreads();
-  gemm_rows<T, false, false>(s.es, d.ld_e, s.ws, d.ld_h, of, d.ld_o, d.dh / FRAG,
-                                                 d.mp / FRAG);
-  gemm_rows<T, false, true>(s.hs, d.ld_h, s.ws, d.ld_h, df, d.ld_u, d.mp / FRAG,
-                                                 d.dh / FRAG);
+  gemm_rows<T, false, false>(s.es, d.ld_e, s.ws, d.ld_h, of, d.ld_o, d.dh / FRAG, d.mp / FRAG);
+  gemm_rows<T, false, true>(s.hs, d.ld_h, s.ws, d.ld_h, df, d.ld_u, d.mp / FRAG, d.dh / FRAG);
   __syncthreads();
   const float inv_tau = 1.f / tau;  // exact: a power of two
   write_scaled_rows(g, d, of, d.ld_o, inv_tau, row0, nrows, h, a.out_y);
   feature_grads(d, df, uf, nullptr, inv_tau, s.es, tsum, tsc);
   __syncthreads();
-  gemm_rows<T, false, false>(s.es, d.ld_e, s.ps, d.ld_x, of, d.ld_o, d.dp / FRAG,
-                                                 d.mp / FRAG);
+  gemm_rows<T, false, false>(s.es, d.ld_e, s.ps, d.ld_x, of, d.ld_o, d.dp / FRAG, d.mp / FRAG);
   __syncthreads();
   write_input_grad(g, d, of, s.xs, tsum, tsc, row0, nrows, h, a.out_x);
 }

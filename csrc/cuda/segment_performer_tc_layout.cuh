@@ -18,7 +18,7 @@ namespace performer_tc {
 
 constexpr int TC_THREADS = 256;                       // threads per block of every TC kernel
 constexpr int TC_WARPS = TC_THREADS / 32;
-constexpr int FRAG = 16;                              // WMMA m16n16k16
+constexpr int FRAG = 16;                              // 16 x 16 tiles (two mma.sync m16n8 halves)
 constexpr int TC_ROWS = 32;                           // rows per row tile (two fragment rows)
 constexpr int TC_ROW_FRAGS = TC_ROWS / FRAG;          // fragment rows of a row tile
 constexpr int TC_ROW_THREADS = TC_THREADS / TC_ROWS;  // threads sharing one row in row-wise steps

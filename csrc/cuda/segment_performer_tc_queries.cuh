@@ -24,8 +24,7 @@ template <typename T>
 __device__ __forceinline__ void query_output(const Geometry& g, const TcDims& d, const TcSmem<T>& s,
                                              float* of) {
   float* uf = s.f;
-  gemm_rows<T, false, true>(s.xs, d.ld_x, s.ps, d.ld_x, uf, d.ld_u, d.mp / FRAG,
-                                                 d.dp / FRAG);
+  gemm_rows<T, false, true>(s.xs, d.ld_x, s.ps, d.ld_x, uf, d.ld_u, d.mp / FRAG, d.dp / FRAG);
   __syncthreads();
   {
     const int r = row_of_thread();
@@ -41,8 +40,7 @@ __device__ __forceinline__ void query_output(const Geometry& g, const TcDims& d,
     }
   }
   __syncthreads();
-  gemm_rows<T, false, false>(s.es, d.ld_e, s.ws, d.ld_h, of, d.ld_o, d.dh / FRAG,
-                                                 d.mp / FRAG);
+  gemm_rows<T, false, false>(s.es, d.ld_e, s.ws, d.ld_h, of, d.ld_o, d.dh / FRAG, d.mp / FRAG);
   __syncthreads();
 }
 
@@ -108,13 +106,11 @@ __device__ __forceinline__ void query_grad_tile(const Geometry& g, const TcDims&
   }
   __syncthreads();
   gemm_accumulate(cacc, d, s.es, d.ld_e, s.hs, d.ld_h);
-  gemm_rows<T, false, true>(s.hs, d.ld_h, s.ws, d.ld_h, df, d.ld_u, d.mp / FRAG,
-                                                 d.dh / FRAG);
+  gemm_rows<T, false, true>(s.hs, d.ld_h, s.ws, d.ld_h, df, d.ld_u, d.mp / FRAG, d.dh / FRAG);
   __syncthreads();
   feature_grads(d, df, uf, lam, 0.f, s.es, tsum, tsc);
   __syncthreads();
-  gemm_rows<T, false, false>(s.es, d.ld_e, s.ps, d.ld_x, of, d.ld_o, d.dp / FRAG,
-                                                 d.mp / FRAG);
+  gemm_rows<T, false, false>(s.es, d.ld_e, s.ps, d.ld_x, of, d.ld_o, d.dp / FRAG, d.mp / FRAG);
   __syncthreads();
   write_input_grad(g, d, of, s.xs, tsum, tsc, row0, nrows, h, a.out_x);
 }
