@@ -3,12 +3,11 @@
 // no host sync), float32 scratch from the caching allocator, and the
 // torch-free launchers on the current stream of q's device.
 //
-// Kernels (NT_KERNELS_PERFORMER, read at every call): unset, bfloat16 and
-// float16 run the tensor-core kernels when the shape fits them
-// (performer_tensor_cores_fit), float32 and other shapes the SIMT kernels;
-// "tc" also runs float32 on the tensor cores where the shape fits, as 3xTF32
-// products (fp32 accuracy, not yet the default: never run on a GPU); "simt"
-// forces the SIMT kernels for every dtype.
+// Kernels (NT_KERNELS_PERFORMER, read at every call; common/performer_choice.h):
+// unset, every dtype runs the SIMT kernels, the ones that passed on the H100;
+// "tc" runs the tensor-core kernels (bfloat16 / float16, float32 as 3xTF32)
+// where the shape fits them (performer_tensor_cores_fit) -- opt-in until a GPU
+// has passed them; "simt" forces the SIMT kernels.
 //
 // Segment ids and rowptr values are checked like the CPU kernels check them
 // (common/segment_table.h): an id out of range would read outside rowptr, and
@@ -17,9 +16,7 @@
 // already checked (same tensors, unchanged versions) costs nothing.  While
 // the stream is being captured into a CUDA graph nothing can sync, so only
 // pairs checked before the capture (its warm-up run) are covered there.
-#include <cstdlib>
 #include <limits>
-#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -28,6 +25,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/performer_choice.h"
 #include "common/segment_table.h"
 #include "cuda/segment_performer_kernel.cuh"
 #include "ops/checks.h"
@@ -71,15 +69,12 @@ void check_segment_values(const char* op, const Tensor& q, const Tensor& rowptr,
 
 // SIMT or tensor-core kernels for this call (see the file comment).
 cuda::PerformerImpl choose_impl(const char* op, at::ScalarType dtype, const PerformerProblem& p) {
-  const char* env = std::getenv("NT_KERNELS_PERFORMER");
-  const std::string mode = env != nullptr ? env : "";
-  TORCH_CHECK(mode.empty() || mode == "tc" || mode == "simt", op,
-              ": NT_KERNELS_PERFORMER must be 'tc' or 'simt', got '", mode, "'");
-  const bool fp32 = dtype == at::kFloat;
-  if (mode == "simt" || (fp32 && mode != "tc") ||
-      !cuda::performer_tensor_cores_fit(p, fp32 ? sizeof(float) : 2))
-    return cuda::PerformerImpl::Simt;
-  return cuda::PerformerImpl::TensorCore;
+  const size_t elem = dtype == at::kFloat ? sizeof(float) : 2;
+  const bool fits = cuda::performer_tensor_cores_fit(p, elem);
+  return choose_performer_kernels(op, dtype, performer_kernels_mode(), fits) ==
+                 PerformerKernels::TensorCore
+             ? cuda::PerformerImpl::TensorCore
+             : cuda::PerformerImpl::Simt;
 }
 
 // rp and seg are contiguous and, like the chunk plan written to `offsets`, must
