@@ -25,6 +25,7 @@ WARM_SUITES=exact,switch,determinism,nan,tolokers,ntconv
 gpu_setup() {  # gpu_setup WORK: fresh work folders and the environment every process gets
   WORK=$1
   mkdir -p "$OUT"
+  OUT=$(cd "$OUT" && pwd)  # absolute: the Python processes run in $WORK
   rm -rf "$WORK"
   mkdir -p "$WORK/site" "$WORK/json" "$WORK/logs"
   # Triton: no interpreter; its default fp fusion (the variable is part of the cache key).
