@@ -233,7 +233,8 @@ PY
 
 # ------------------------------------------------------------------- run
 echo "gpu_check: repository $REPO, work $WORK, out $OUT, python $PY, budget $BUDGET s for stages 1-3"
-run_stage 1 env "$(cap 45 120)" stage_env
+# Without nvidia-smi (a dry run on a CPU, often a loaded one) stage 1 is not time-boxed either.
+run_stage 1 env "$(command -v nvidia-smi >/dev/null && cap 45 120 || echo 300)" stage_env
 if [ ! -f "$WORK/extension" ] && [ "${GPU_SITE:-}" != installed ]; then
   run_stage 1b build 240 stage_build
 fi
