@@ -3,19 +3,48 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 STAMP := build/.installed-$(shell $(PYTHON) -c "import sys; print(sys.implementation.cache_tag)")
-SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
+SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml scripts/wheel_version.py
 # Real graphs (tests, bench, train): $NT_KERNELS_DATA, by default the shared data next to the checkout.
 export NT_KERNELS_DATA ?= $(abspath ../shared/data/heterophilous)
 
-.PHONY: install demo test bench check cuda-check cross-check triton-check gpu-bundle gpu-dry-run clean
+.PHONY: install wheel wheel-check sdist demo test bench check cuda-check cross-check triton-check gpu-bundle \
+	gpu-dry-run clean
+
+# What a build needs besides the compiler: torch (the pinned CPU build when none is installed;
+# the extension compiles against the torch it will run with) and the build backend.
+define build_env
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	$(PYTHON) -m pip install -q "scikit-build-core>=1.1" ninja pybind11 "cmake>=3.24"
+endef
 
 install: $(STAMP)
 
 $(STAMP): $(SOURCES)
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install "scikit-build-core>=0.10" ninja pybind11 "cmake>=3.24"
+	$(build_env)
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test,plot,triton,peers]"
 	mkdir -p build && touch $@
+
+# dist/nt_kernels-<release>+pt<torch><cuNNN|cpu>-<python>-<platform>.whl for PYTHON and its torch
+# (scripts/wheel_version.py names the tag): CUDA kernels (SASS for sm_80 and sm_90, PTX for newer
+# GPUs) when that torch has CUDA and nvcc is found, no GPU needed; NT_KERNELS_CUDA=OFF for a CPU
+# wheel.  build/<wheel tag> is the CMake build folder of `make install` too, so after it only
+# the packaging runs.
+wheel:
+	$(build_env)
+	$(PYTHON) -m pip wheel --no-build-isolation --no-deps --wheel-dir dist .
+
+# The wheel of dist/ for PYTHON, checked: its files (scripts/wheel_check.py), then installed with
+# --no-deps into a fresh venv outside the checkout (torch and the runtime dependencies first), where
+# `nt-kernels check --quick` and a 2-epoch `nt-kernels train` on minesweeper run
+# (scripts/wheel_smoke.sh; WHEEL_VENV keeps the venv there).
+wheel-check:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bash scripts/wheel_smoke.sh
+
+# dist/nt_kernels-<release>.tar.gz; it builds against the torch of whoever installs it
+# (`pip install --no-build-isolation dist/nt_kernels-<release>.tar.gz` with torch present).
+sdist:
+	$(PYTHON) -m pip install -q build
+	$(PYTHON) -m build --sdist --outdir dist .
 
 demo: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli demo
@@ -33,15 +62,14 @@ check: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli check $(CHECK_ARGS)
 
 # What scripts/gpu_check.sh and scripts/gpu_perf.sh need on a GPU machine besides
-# the working tree, in .gpu-bundle/ (git-ignored, <= 60 MiB): the extension prebuilt
-# with GPU_PYTHON (Python 3.12 + torch 2.11.0+cu130, the GPU machine's; a scratch
-# venv, never this environment) for sm_90, the real graphs and (TRITON_AOT=1, the
-# default) the Triton cache for sm_90 compiled ahead with GPU_PYTHON's Triton.
+# the working tree, in .gpu-bundle/ (git-ignored, <= 60 MiB): the CUDA wheel built
+# with GPU_PYTHON (required: a Python with the GPU machine's Python and torch, e.g.
+# 3.12 + torch 2.11.0+cu130, in a venv of its own), the real graphs and (TRITON_AOT=1,
+# the default) the Triton cache for sm_90 compiled ahead with GPU_PYTHON's Triton.
 # docs/results.md, "GPU: how to run".
-GPU_PYTHON ?= /work/venv312/bin/python
 TRITON_AOT ?= 1
 gpu-bundle:
-	GPU_PYTHON=$(GPU_PYTHON) TRITON_AOT=$(TRITON_AOT) bash scripts/gpu_bundle.sh
+	GPU_PYTHON="$(GPU_PYTHON)" TRITON_AOT=$(TRITON_AOT) bash scripts/gpu_bundle.sh
 
 # Both GPU scripts on this machine's CPU (their CUDA stages run cut-down CPU
 # versions of the same commands): no shell or Python error waits for a GPU.
@@ -83,4 +111,4 @@ triton-check: $(STAMP)
 	env -u TRITON_INTERPRET $(if $(TRITON_TARGET),PYTHONPATH=$(TRITON_TARGET)) $(PYTHON) scripts/ntconv_triton_check.py $(NTCONV_CHECK_ARGS)
 
 clean:
-	rm -rf build
+	rm -rf build dist

@@ -8,7 +8,7 @@ import sys
 import torch
 
 import nt_kernels
-from nt_kernels._extension import cpu_paths, extension
+from nt_kernels._extension import build_info, cpu_paths, extension
 
 KERNEL_OPS = {
     "exact": ("softmax_fwd_into", "softmax_bwd_into"),
@@ -46,8 +46,10 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"nt-kernels {nt_kernels.__version__}")
     print(f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}, "
           f"torch_geometric {_version('torch_geometric')}")
+    info = build_info()
+    cuda = f"built (CUDA {info.CUDA}, architectures {info.CUDA_ARCHS})" if info and info.CUDA else "built"
     print(f"extension built against torch {build['torch']} with {build['compiler']}, "
-          f"OpenMP {build['openmp']}, CUDA sources {'built' if build['cuda'] else 'not built'}")
+          f"OpenMP {build['openmp']}, CUDA sources {cuda if build['cuda'] else 'not built'}")
     paths = cpu_paths()
     print(f"CPU: {torch.get_num_threads()} threads; torch CPU capability {paths['torch_capability']} "
           f"(ATEN_CPU_CAPABILITY; this CPU: {', '.join(paths['torch_capabilities'])}); nt_kernels CPU ISA path "

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds the compiled module nt_kernels._C with CMake alone (no pip, no
-# network) into BUILD_DIR and prints the module's path last.  Used by
-# `make gpu-bundle` (here, for the GPU machine) and by scripts/gpu_check.sh
-# when the prebuilt module does not import there.
+# Builds the compiled module nt_kernels._C and nt_kernels/_build_info.py with
+# CMake alone (no pip, no network) into BUILD_DIR and prints the module's path
+# last.  Used by scripts/gpu_check.sh on a GPU machine when the bundle's wheel
+# is stale or does not import there (`make wheel` is the usual build).
 #
 #   bash scripts/build_extension.sh BUILD_DIR [CUDA_ARCHS]     (CUDA_ARCHS default: 90)
 #

@@ -1,35 +1,35 @@
 #!/usr/bin/env bash
-# `make gpu-bundle`: everything scripts/gpu_check.sh needs on the GPU machine
-# besides the working tree, in the git-ignored folder .gpu-bundle/ (<= 60 MiB),
-# named in the device tool's `carry`:
+# `make gpu-bundle`: everything scripts/gpu_check.sh and scripts/gpu_perf.sh need on a GPU machine
+# besides the working tree, in the git-ignored folder .gpu-bundle/ (<= 60 MiB):
 #
-#   .gpu-bundle/nt_kernels/_C.cpython-312-x86_64-linux-gnu.so   the extension, CUDA sm_90
+#   .gpu-bundle/nt_kernels-<release>+pt<torch>cu<cuda>-<python>-linux_x86_64.whl   the CUDA wheel:
+#        `make wheel` with GPU_PYTHON and this machine's nvcc (SASS for sm_80 and sm_90, PTX for
+#        newer GPUs; no GPU needed), checked by scripts/wheel_check.py contents
 #   .gpu-bundle/data/{tolokers,minesweeper}.npz, LICENCE.txt     the real graphs
-#   .gpu-bundle/manifest.json                                    versions and the source hash
-#   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json     (TRITON_AOT=1, the default) the
+#   .gpu-bundle/manifest.json        versions, the wheel's name, the hash of csrc/ and CMakeLists.txt
+#   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
 #        Triton kernels of scripts/gpu_check.sh's warm workload (every check row's kernels) and of
 #        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl),
-#        compiled for sm_90 here, with GPU_PYTHON's Triton, through scripts/gpu_triton.py's
-#        compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the fingerprint of the GPU
-#        machine's Triton (its source hash, ptxas, default options, cache-invalidating
-#        environment) equals this one, else the kernels compile there as before
+#        compiled for sm_90 here, with GPU_PYTHON's Triton and the wheel installed, through
+#        scripts/gpu_triton.py's compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the
+#        fingerprint of the GPU machine's Triton (its source hash, ptxas, default options,
+#        cache-invalidating environment) equals this one, else the kernels compile there as before
 #
-# The extension is built here with GPU_PYTHON, a Python 3.12 whose torch is
-# the GPU machine's (2.11.0+cu130), and this machine's nvcc.  gpu_check.sh
-# uses it only when the hash of csrc/ and CMakeLists.txt still matches
-# (`bash scripts/gpu_bundle.sh --hash`) and it imports; otherwise it builds there.
+# GPU_PYTHON (required) is a Python with the GPU machine's Python and torch (the GPU image's: 3.12,
+# torch 2.11.0+cu130), in a venv of its own that also has the build tools (docs/results.md, "GPU:
+# how to run").  Then copy the working tree with .gpu-bundle/ to a GPU machine and run
+# `bash scripts/gpu_check.sh` or `bash scripts/gpu_perf.sh` in its root: they install the wheel
+# when the hash of csrc/ and CMakeLists.txt still matches (`bash scripts/gpu_bundle.sh --hash`)
+# and build the extension there otherwise.
 #
-# Environment: GPU_PYTHON (default /work/venv312/bin/python), DATA_SRC
-# (default $NT_KERNELS_DATA, else ../shared/data/heterophilous), CUDA_ARCHS (default 90), JOBS,
-# TRITON_AOT (default 1; 0: no Triton cache).  `bash scripts/gpu_bundle.sh --triton-only`
-# rebuilds only the Triton cache of an existing bundle (after a change of the Triton kernels;
-# build/gpu-bundle-triton keeps every compiled kernel, so only changed ones compile again).
+# Environment: GPU_PYTHON (required), DATA_SRC (default $NT_KERNELS_DATA, else
+# ../shared/data/heterophilous), JOBS, TRITON_AOT (default 1; 0: no Triton cache).
+# `bash scripts/gpu_bundle.sh --triton-only` rebuilds only the Triton cache of an existing bundle
+# (after a change of the Triton kernels; build/gpu-bundle-triton keeps every compiled kernel, so
+# only changed ones compile again).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-source_hash() {
-  find csrc CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
-}
+source scripts/gpu_common.sh  # source_hash, install_wheel; WARM_DIMS, WARM_DTYPES, WARM_SUITES
 if [ "${1:-}" = "--hash" ]; then
   source_hash
   exit 0
@@ -37,18 +37,22 @@ fi
 triton_only=0
 [ "${1:-}" = "--triton-only" ] && triton_only=1
 
-GPU_PYTHON=${GPU_PYTHON:-/work/venv312/bin/python}
+if [ -z "${GPU_PYTHON:-}" ]; then
+  echo "gpu-bundle: set GPU_PYTHON to the Python to build the GPU wheel with: the GPU machine's Python" \
+    "and torch (3.12, torch 2.11.0+cu130), e.g. make gpu-bundle GPU_PYTHON=<venv>/bin/python" \
+    "(docs/results.md, \"GPU: how to run\")" >&2
+  exit 2
+fi
+PY=$GPU_PYTHON
 DATA_SRC=${DATA_SRC:-${NT_KERNELS_DATA:-../shared/data/heterophilous}}
-CUDA_ARCHS=${CUDA_ARCHS:-90}
 bundle=.gpu-bundle
-build=build/gpu-bundle-ext
 limit_mib=60
 
 "$GPU_PYTHON" - <<'PY'
-import sys, torch
-if sys.version_info[:2] != (3, 12) or not torch.__version__.startswith("2.11.") or torch.version.cuda is None:
-    sys.exit(f"gpu-bundle: GPU_PYTHON must be Python 3.12 with torch 2.11 + CUDA (the GPU machine's), "
-             f"got Python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+import platform, sys, torch
+print(f"gpu-bundle: GPU_PYTHON is Python {platform.python_version()} with torch {torch.__version__}")
+if torch.version.cuda is None:
+    sys.exit("gpu-bundle: GPU_PYTHON's torch has no CUDA: the bundle's wheel needs the GPU machine's CUDA torch")
 PY
 for graph in tolokers minesweeper; do
   [ -f "$DATA_SRC/$graph.npz" ] || { echo "gpu-bundle: $DATA_SRC/$graph.npz not found (set DATA_SRC)" >&2; exit 1; }
@@ -58,15 +62,12 @@ done
 triton_aot() {
   local cache=build/gpu-bundle-triton work=build/gpu-bundle-aot jobs=${JOBS:-$(nproc)} i records=() pids=()
   rm -rf "$work" && mkdir -p "$work/site" "$cache"
-  cp -r nt_kernels python/nt_reference "$work/site/"
-  find "$work/site" -name "_C*.so" -delete
-  cp "$bundle"/nt_kernels/_C*.so "$work/site/nt_kernels/"
+  install_wheel "$bundle"/nt_kernels-*.whl "$work/site"
   # As on the GPU machine (scripts/gpu_common.sh): no interpreter, Triton's default fp fusion,
   # one config per kernel; TRITON_STORE_BINARY_ONLY keeps only what a cache hit reads.
   local env=(env -u TRITON_INTERPRET -u TRITON_DEFAULT_FP_FUSION PYTHONPATH="$PWD/$work/site"
              TRITON_CACHE_DIR="$PWD/$cache" NT_KERNELS_TRITON_AUTOTUNE=0 TRITON_STORE_BINARY_ONLY=1
              NT_KERNELS_DATA="$(cd "$DATA_SRC" && pwd)")
-  source scripts/gpu_common.sh  # WARM_DIMS, WARM_DTYPES, WARM_SUITES
   echo "gpu-bundle: Triton cache: warm workload (check --kernels-only --dims $WARM_DIMS) in $jobs processes"
   (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu_triton.py" warm --fake-target --jobs "$jobs" \
     --tag aot --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 7200 -- check --device cpu --kernels-only \
@@ -90,22 +91,27 @@ triton_aot() {
 
 if [ "$triton_only" = 0 ]; then
   # The venv's bin first: its cmake and ninja (pip) when the system has none.
-  PATH="$(dirname "$GPU_PYTHON"):$PATH" PYTHON="$GPU_PYTHON" bash scripts/build_extension.sh "$build" "$CUDA_ARCHS"
+  PATH="$(dirname "$GPU_PYTHON"):$PATH" NT_KERNELS_CUDA=ON make --no-print-directory wheel PYTHON="$GPU_PYTHON"
+  wheel=$("$GPU_PYTHON" scripts/wheel_check.py find dist)
+  "$GPU_PYTHON" scripts/wheel_check.py contents "$wheel"
   rm -rf "$bundle"
-  mkdir -p "$bundle/nt_kernels" "$bundle/data"
-  cp "$build"/_C.cpython-312-*.so "$bundle/nt_kernels/"
+  mkdir -p "$bundle/data"
+  cp "$wheel" "$bundle/"
   cp "$DATA_SRC"/tolokers.npz "$DATA_SRC"/minesweeper.npz "$bundle/data/"
   [ -f "$DATA_SRC/LICENCE.txt" ] && cp "$DATA_SRC/LICENCE.txt" "$bundle/data/"
-  SOURCE_HASH=$(source_hash) CUDA_ARCHS="$CUDA_ARCHS" "$GPU_PYTHON" - "$bundle/manifest.json" <<'PY'
-import datetime, json, os, platform, subprocess, sys, torch
+  SOURCE_HASH=$(source_hash) "$GPU_PYTHON" - "$bundle/manifest.json" "$wheel" <<'PY'
+import datetime, json, os, platform, subprocess, sys, zipfile
+manifest, wheel = sys.argv[1:3]
+info = {}
+exec(zipfile.ZipFile(wheel).read("nt_kernels/_build_info.py").decode(), info)
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 dirty = subprocess.run(["git", "status", "--porcelain", "--", "csrc", "CMakeLists.txt"],
                        capture_output=True, text=True).stdout.strip() != ""
-json.dump({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cuda_archs": os.environ["CUDA_ARCHS"], "source_hash": os.environ["SOURCE_HASH"],
-           "git_commit": commit, "csrc_uncommitted_changes": dirty,
+json.dump({"wheel": os.path.basename(wheel), "version": info["VERSION"], "python": platform.python_version(),
+           "torch": info["TORCH"], "cuda": info["CUDA"], "cuda_archs": info["CUDA_ARCHS"],
+           "source_hash": os.environ["SOURCE_HASH"], "git_commit": commit, "csrc_uncommitted_changes": dirty,
            "built": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
-          open(sys.argv[1], "w"), indent=1)
+          open(manifest, "w"), indent=1)
 PY
 elif [ ! -f "$bundle/manifest.json" ]; then
   echo "gpu-bundle: --triton-only needs an existing $bundle (run make gpu-bundle first)" >&2

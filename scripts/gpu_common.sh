@@ -1,12 +1,14 @@
-# Shared by scripts/gpu_check.sh and scripts/gpu_perf.sh (sourced, not run): the work
-# folders, the Python runner, the extension (prebuilt in .gpu-bundle or built), the Triton
-# cache with its compile log, and the stage runner that streams every stage's output to $OUT.
+# Shared by scripts/gpu_check.sh, scripts/gpu_perf.sh and scripts/gpu_bundle.sh (sourced, not
+# run): the work folders, the Python runner, the extension (the bundle's wheel installed, or built
+# here), the Triton cache with its compile log, and the stage runner that streams every stage's
+# output to $OUT.
 #
-# Environment (both scripts): OUT (default ./gpu-out), GPU_PYTHON (default python3; the old
-# name GPU_CHECK_PYTHON works too), GPU_WORK (default /tmp/nt-gpu-<script>), GPU_TRITON_CACHE
-# (default $GPU_WORK/triton-cache), GPU_CHECK_ALLOW_STALE=1 (use the prebuilt extension
-# although csrc/ changed since `make gpu-bundle`), GPU_SITE=installed (import the nt_kernels
-# this Python already has instead of copying the tree and the prebuilt module: CPU dry runs).
+# Environment (the GPU scripts): OUT (default ./gpu-out in the tree), GPU_PYTHON (default python3:
+# the GPU machine's Python; the old name GPU_CHECK_PYTHON works too), GPU_WORK (default
+# /tmp/nt-gpu-<script>), GPU_TRITON_CACHE (default $GPU_WORK/triton-cache),
+# GPU_CHECK_ALLOW_STALE=1 (install the bundle's wheel although csrc/ changed since
+# `make gpu-bundle`), GPU_SITE=installed (import the nt_kernels this Python already has instead
+# of installing the bundle's wheel: CPU dry runs).
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/gpu-out}
 PY=${GPU_PYTHON:-${GPU_CHECK_PYTHON:-python3}}
@@ -23,6 +25,7 @@ WARM_SUITES=exact,switch,determinism,nan,tolokers,ntconv
 gpu_setup() {  # gpu_setup WORK: fresh work folders and the environment every process gets
   WORK=$1
   mkdir -p "$OUT"
+  OUT=$(cd "$OUT" && pwd)  # absolute: the Python processes run in $WORK
   rm -rf "$WORK"
   mkdir -p "$WORK/site" "$WORK/json" "$WORK/logs"
   # Triton: no interpreter; its default fp fusion (the variable is part of the cache key).
@@ -92,29 +95,53 @@ stage_done() { :; }  # the scripts redefine it (summary.json)
 
 stage_times() { for s in "${!STATUS[@]}"; do echo "$s=${STATUS[$s]}=${SECONDS_USED[$s]}"; done; }
 
-# install_site: nt_kernels and nt_reference into $WORK/site with the prebuilt extension when its
-# source hash matches csrc/ (or GPU_CHECK_ALLOW_STALE=1) and it imports; echoes what was done.
-# Returns 1 when the extension still has to be built.
+# source_hash: a hash of what the compiled extension is built from (csrc/, CMakeLists.txt); the
+# bundle's manifest records it (`bash scripts/gpu_bundle.sh --hash` prints it).
+source_hash() {
+  (cd "$REPO" && find csrc CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
+}
+
+# install_wheel WHEEL SITE: the wheel installed into the folder SITE (put on PYTHONPATH), without
+# its dependencies (the GPU machine's torch stays), from the file alone.
+install_wheel() {
+  "$PY" -m pip install --quiet --no-deps --no-index --disable-pip-version-check --target "$2" "$1"
+}
+export -f source_hash install_wheel
+
+# install_site: the bundle's wheel installed into $WORK/site when the source hash in its manifest
+# matches csrc/ (or GPU_CHECK_ALLOW_STALE=1) and its extension imports; where the tree's Python
+# files differ from the wheel's (edited since `make gpu-bundle`), the tree's replace them, with a
+# line that says so.  Returns 1 when the extension still has to be built (stage 1b), with the
+# tree's nt_kernels and nt_reference in $WORK/site.
 install_site() {
   if [ "${GPU_SITE:-}" = installed ]; then
     echo "extension: the installed nt_kernels of $PY (GPU_SITE=installed)"
     return 0
   fi
+  local wheel expected bundled changed
+  wheel=$(ls "$BUNDLE"/nt_kernels-*.whl 2>/dev/null | head -1)
+  expected=$(source_hash)
+  bundled=$(sed -n 's/.*"source_hash": "\([0-9a-f]*\)".*/\1/p' "$BUNDLE/manifest.json" 2>/dev/null)
+  echo "extension: source hash here $expected, in the bundle ${bundled:-none} (${wheel:-no wheel})"
+  if [ -n "$wheel" ] && [ -n "$bundled" ] && { [ "$bundled" = "$expected" ] || [ "${GPU_CHECK_ALLOW_STALE:-0}" = 1 ]; }; then
+    if install_wheel "$wheel" "$WORK/site"; then
+      changed=$( (diff -rq -x __pycache__ -x "_C.*" -x _build_info.py "$REPO/nt_kernels" "$WORK/site/nt_kernels"
+                  diff -rq -x __pycache__ "$REPO/python/nt_reference" "$WORK/site/nt_reference") 2>&1)
+      if [ -n "$changed" ]; then
+        echo "extension: the tree's Python differs from the wheel's (edited since make gpu-bundle); the tree's is used:"
+        echo "$changed" | head -20
+        cp -r "$REPO/nt_kernels/." "$WORK/site/nt_kernels/"
+        cp -r "$REPO/python/nt_reference/." "$WORK/site/nt_reference/"
+      fi
+      if ntpy -c "import nt_kernels._C, nt_kernels; print('extension: the wheel imports:', nt_kernels.__version__)" 2>&1; then
+        return 0
+      fi
+    fi
+    echo "extension: the bundle's wheel does not install or import here"
+  fi
+  rm -rf "$WORK/site/nt_kernels" "$WORK/site/nt_reference" "$WORK/site"/nt_kernels-*.dist-info
   cp -r "$REPO/nt_kernels" "$REPO/python/nt_reference" "$WORK/site/"
   find "$WORK/site" -name "_C*.so" -delete
-  local expected bundled
-  expected=$(bash "$REPO/scripts/gpu_bundle.sh" --hash)
-  bundled=$(sed -n 's/.*"source_hash": "\([0-9a-f]*\)".*/\1/p' "$BUNDLE/manifest.json" 2>/dev/null)
-  echo "extension: source hash here $expected, in the bundle ${bundled:-none}"
-  if [ -n "$bundled" ] && { [ "$bundled" = "$expected" ] || [ "${GPU_CHECK_ALLOW_STALE:-0}" = 1 ]; }; then
-    cp "$BUNDLE"/nt_kernels/_C*.so "$WORK/site/nt_kernels/"
-    if ntpy -c "import nt_kernels._C" 2>&1; then
-      echo "extension: prebuilt module imports"
-      return 0
-    fi
-    echo "extension: the prebuilt module does not import here"
-    find "$WORK/site" -name "_C*.so" -delete
-  fi
   return 1
 }
 
@@ -124,7 +151,7 @@ build_extension() {  # with all cores, into $WORK/build (stage 1b)
   bin=$("$PY" -c "import os, sys; print(os.path.dirname(sys.executable))")
   PATH="$bin:$PATH:/usr/local/cuda/bin" PYTHON="$PY" JOBS=$(nproc) bash scripts/build_extension.sh "$WORK/build" 90 \
     || return 1
-  cp "$WORK"/build/_C*.so "$WORK/site/nt_kernels/"
+  cp "$WORK"/build/_C*.so "$WORK/build/_build_info.py" "$WORK/site/nt_kernels/"
 }
 
 # triton_cache_setup: the fingerprint of this machine's Triton against the ahead-of-time cache

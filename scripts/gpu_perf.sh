@@ -3,12 +3,15 @@
 # JSON (perf.json) and a printed table; every stage under its own limit, streaming its output
 # to $OUT as it runs.
 #
-#   run(command="bash scripts/gpu_perf.sh", carry=[".gpu-bundle"], timeout_s=240)
-#   run(command="GPU_PERF=layer,roofline bash scripts/gpu_perf.sh", carry=[".gpu-bundle"], timeout_s=150)
+# Copy the working tree with .gpu-bundle/ (`make gpu-bundle GPU_PYTHON=...`, scripts/gpu_bundle.sh) to
+# a GPU machine and run, in the tree's root (allow about 240 s; 150 s for two stages):
+#
+#   bash scripts/gpu_perf.sh
+#   GPU_PERF=layer,roofline bash scripts/gpu_perf.sh
 #
 # Stages (GPU_PERF, a comma list; default layer,powerlaw,roofline,op; stage 0 always runs; they
 # run in this order, each limited to leave the later selected stages their minimum):
-#   0 env       versions, the prebuilt extension, Triton's fingerprint and the bundle's Triton cache
+#   0 env       versions, the bundle's wheel installed, Triton's fingerprint and the bundle's Triton cache
 #   warm        (only when named) the Triton kernels of the layer and powerlaw stages compiled
 #               ahead in 8 processes (scripts/gpu_triton.py warm; powerlaw at 2M messages)
 #   1 layer     tolokers training step (released preset), fused and unfused, bf16 autocast: 3
@@ -54,7 +57,7 @@ stage_env() {
   echo "date: $(date -u +%FT%TZ), $(nproc) cores"
   command -v nvidia-smi >/dev/null \
     && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-  install_site || { echo "perf: no working prebuilt extension (run scripts/gpu_check.sh, which builds one)"; return 1; }
+  install_site || { echo "perf: the bundle's wheel is missing, stale or does not import (make gpu-bundle)"; return 1; }
   ntpy -c "import torch, triton, nt_kernels
 print('torch', torch.__version__, 'triton', triton.__version__, 'cuda:',
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"

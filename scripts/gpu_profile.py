@@ -26,7 +26,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nt_kernels.bench.layer import LEARNING_RATE, PRESETS, _model, _step, build_graph
+from nt_kernels.bench.layer import LEARNING_RATE, _model, _step
+from nt_kernels.bench.layer_graphs import PRESETS, build_graph
 from nt_kernels.csr import NeighbourhoodCSR
 
 

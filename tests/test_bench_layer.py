@@ -13,7 +13,7 @@ import torch
 
 from nt_kernels.apps.presets import preset
 from nt_kernels.bench import cli as bench
-from nt_kernels.bench import layer
+from nt_kernels.bench import layer, layer_graphs, layer_report
 
 TINY = ["--graph", "powerlaw", "--messages", "3000", "--device", "cpu", "--threads", "1"]
 SMALL_MESSAGES = 20_000
@@ -47,33 +47,33 @@ def tiny_doc(tmp_path_factory) -> dict:
 # ------------------------------------------------------------------ graphs
 def test_degree_sequence_graph_gives_every_node_its_degree_as_centre_and_receiver():
     degrees = torch.tensor([3, 0, 1, 7, 2])
-    edge_index = layer.degree_sequence_graph(degrees, seed=4)
+    edge_index = layer_graphs.degree_sequence_graph(degrees, seed=4)
     assert edge_index.shape == (2, 13)
     assert torch.equal(torch.bincount(edge_index[0], minlength=5), degrees)
     assert torch.equal(torch.bincount(edge_index[1], minlength=5), degrees)
-    assert torch.equal(edge_index, layer.degree_sequence_graph(degrees, seed=4))
-    assert not torch.equal(edge_index, layer.degree_sequence_graph(degrees, seed=5))
+    assert torch.equal(edge_index, layer_graphs.degree_sequence_graph(degrees, seed=4))
+    assert not torch.equal(edge_index, layer_graphs.degree_sequence_graph(degrees, seed=5))
 
 
 def test_tiled_degrees_is_the_profile_k_times_or_a_trimmed_prefix():
     profile = torch.tensor([5, 1, 0, 9, 2])
-    tiled = layer.tiled_degrees(profile, 3 * 17, seed=0)
+    tiled = layer_graphs.tiled_degrees(profile, 3 * 17, seed=0)
     assert torch.equal(tiled.sort().values, profile.repeat(3).sort().values)
-    cut = layer.tiled_degrees(profile, 40, seed=1)
+    cut = layer_graphs.tiled_degrees(profile, 40, seed=1)
     assert int(cut.sum()) == 40
     assert all(int(d) in profile.tolist() for d in cut[:-1])
     assert 0 <= int(cut[-1]) <= int(profile.max())
     with pytest.raises(ValueError, match="messages"):
-        layer.tiled_degrees(profile, 0, seed=0)
+        layer_graphs.tiled_degrees(profile, 0, seed=0)
 
 
 def test_powerlaw_degrees_sum_exactly_and_have_a_hub():
-    degrees = layer.powerlaw_degrees(200_000, 10_000, seed=0)
+    degrees = layer_graphs.powerlaw_degrees(200_000, 10_000, seed=0)
     assert int(degrees.sum()) == 200_000 and int(degrees.min()) >= 1
     # w_1 / sum(w) with exponent 2.5: the hub takes far more than the mean degree of 20
     assert int(degrees.max()) > 100 * 20
     with pytest.raises(ValueError, match="too few"):
-        layer.powerlaw_degrees(10, 100, seed=0)
+        layer_graphs.powerlaw_degrees(10, 100, seed=0)
 
 
 def test_synthetic_graph_tiles_tolokers_degree_sequence():
@@ -81,7 +81,7 @@ def test_synthetic_graph_tiles_tolokers_degree_sequence():
 
     tolokers = load_dataset("tolokers", directed=False, self_loops="keep")
     profile = torch.bincount(tolokers.edge_index[0], minlength=tolokers.num_nodes)
-    graph = layer.build_graph("synthetic", messages=5000, seed=0)
+    graph = layer_graphs.build_graph("synthetic", messages=5000, seed=0)
     degrees = torch.bincount(graph.edge_index[0], minlength=graph.x.shape[0])
     assert graph.edge_index.shape[1] == 5000 and graph.x.shape == (degrees.numel(), tolokers.x.shape[1])
     assert set(degrees[:-1].tolist()) <= set(profile.tolist())
@@ -91,13 +91,13 @@ def test_synthetic_graph_tiles_tolokers_degree_sequence():
 def test_presets_are_the_released_ones():
     for name in ("tolokers", "minesweeper"):
         released = preset(name)
-        ours = layer.PRESETS[name]
+        ours = layer_graphs.PRESETS[name]
         assert (ours.aggr, ours.head_dim, ours.heads, ours.num_layers, ours.dropout, ours.sep, ours.self_loops) == \
             (released.aggr, released.head_dim, released.heads, released.num_layers, released.dropout, released.sep,
              released.self_loops)
         assert not released.directed and released.attention == "switch"
-    assert layer.PRESETS["synthetic"] == layer.PRESETS["tolokers"]
-    power = layer.PRESETS["powerlaw"]
+    assert layer_graphs.PRESETS["synthetic"] == layer_graphs.PRESETS["tolokers"]
+    power = layer_graphs.PRESETS["powerlaw"]
     assert (power.heads, power.head_dim, power.num_layers) == (4, 16, 3)
 
 
@@ -115,7 +115,7 @@ def test_document_schema(tiny_doc):
     assert f"--messages {SMALL_MESSAGES}" in doc["command"] and "--in-process" not in doc["command"]
     assert doc["device"]["type"] == "cpu" and doc["device"]["threads"] == 1
     assert set(doc["versions"]) == {"python", "torch", "triton", "nt_kernels"}
-    assert {"name": "powerlaw", **asdict(layer.PRESETS["powerlaw"])} == doc["preset"]
+    assert {"name": "powerlaw", **asdict(layer_graphs.PRESETS["powerlaw"])} == doc["preset"]
     s = doc["settings"]
     assert (s["dtype"], s["autocast"], s["threads"], s["repeats"], s["warmup"]) == ("float32", None, 1, 2, 1)
     assert s["variants"] == ["fused", "unfused"] and s["isolation"] == "subprocess"
@@ -134,8 +134,8 @@ def test_document_schema(tiny_doc):
 
 def test_graph_statistics(tiny_doc):
     g = tiny_doc["graph"]
-    num_nodes = SMALL_MESSAGES // layer.POWERLAW_AVG_DEGREE
-    degrees = layer.powerlaw_degrees(SMALL_MESSAGES, num_nodes, seed=0)
+    num_nodes = SMALL_MESSAGES // layer_graphs.POWERLAW_AVG_DEGREE
+    degrees = layer_graphs.powerlaw_degrees(SMALL_MESSAGES, num_nodes, seed=0)
     assert (g["name"], g["source"]) == ("powerlaw", "synthetic")
     assert (g["num_nodes"], g["num_messages"], g["max_degree"]) == (num_nodes, SMALL_MESSAGES, int(degrees.max()))
     from nt_kernels.performer import default_nb_features, switch_threshold
@@ -228,14 +228,14 @@ def test_dry_run_cuts_a_real_graph_and_names_the_file(tmp_path):
     doc = json.loads(path.read_text())
     assert path.name.endswith("-layer-minesweeper-float32-dry-run.json") and doc["settings"]["dry_run"] is True
     g = doc["graph"]
-    assert (g["source"], g["num_nodes"], g["max_degree"]) == ("real", layer.DRY_RUN_NODES, 8)
+    assert (g["source"], g["num_nodes"], g["max_degree"]) == ("real", layer_graphs.DRY_RUN_NODES, 8)
     assert g["description"].startswith("dry run") and g["messages"]["performer"] == 0
     assert doc["results"][0]["status"] == "ok" and "--dry-run" in doc["command"]
 
 
 # ------------------------------------------------------------ text output
 def test_table_and_results_block(tiny_doc, tmp_path):
-    table = layer.format_table(tiny_doc)
+    table = layer_report.format_table(tiny_doc)
     assert f"powerlaw: N=1,000, {SMALL_MESSAGES:,} messages" in table and "faster per step" in table
     results = tmp_path / "results"
     results.mkdir()
@@ -245,7 +245,7 @@ def test_table_and_results_block(tiny_doc, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("# Results\n\ntext\n\n<!-- bench:layer -->\nold\n<!-- /bench:layer -->\n\nend\n")
-    layer.publish([(tiny_doc, path)], docs)
+    layer_report.publish([(tiny_doc, path)], docs)
     text = (docs / "results.md").read_text()
     assert text.startswith("# Results\n\ntext\n") and text.rstrip().endswith("end") and "\nold\n" not in text
     block = text[text.index("<!-- bench:layer -->"):text.index("<!-- /bench:layer -->")]

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_SCRIPTS = ["gpu_check.sh", "gpu_perf.sh", "gpu_common.sh", "gpu_bundle.sh", "build_extension.sh",
-                 "cross_check.sh", "cuda_check.sh"]
+                 "cross_check.sh", "cuda_check.sh", "wheel_smoke.sh"]
 
 
 def run(args, env=None, **kwargs):
@@ -35,6 +35,13 @@ def test_bundle_source_hash_is_stable():
     assert first.returncode == 0, first.stderr
     assert re.fullmatch(r"[0-9a-f]{16}\n", first.stdout)
     assert first.stdout == second.stdout
+
+
+def test_bundle_needs_gpu_python():
+    """No interpreter is a default: without GPU_PYTHON the bundle stops at once and says what to set."""
+    env = {k: v for k, v in os.environ.items() if k != "GPU_PYTHON"}
+    result = run(["bash", "scripts/gpu_bundle.sh"], env=env)
+    assert result.returncode == 2 and "set GPU_PYTHON" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("value, expected", [("0", "pinned"), ("1", "tuned")])

@@ -28,13 +28,12 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-STRATEGY_FAMILIES = ("parallel", "by-size", "partitioned", "sequential")
+from nt_kernels.bench import peers
+from nt_kernels.bench.context import ALPHAS, STRATEGY_FAMILIES, Backend, Context
 
 # Padded-tensor estimate: per padded row and head, c_d * D elements for the
 # gathered q, k, v, their outputs and gradients, plus c_m * m Performer feature
@@ -42,68 +41,13 @@ STRATEGY_FAMILIES = ("parallel", "by-size", "partitioned", "sequential")
 EST_C_D, EST_C_M, EST_C_L = 8, 8, 3
 
 
-@dataclass
-class Context:
-    """What a backend needs: the packed graph on the bench device and the attention settings."""
-
-    csr: object                      # NeighbourhoodCSR on the bench device
-    projection: torch.Tensor | None  # (m, D) in the bench dtype, None in exact mode
-    threshold: float                 # math.inf in exact mode
-    heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    reference_max_edges: int
-    memory_cap_bytes: int
-    hist: tuple[list[int], list[int]] = field(default=None)
-
-    def __post_init__(self):
-        if self.hist is None:
-            sizes, counts = self.csr.size_hist
-            self.hist = (sizes.tolist(), counts.tolist())
-
-    @property
-    def num_edges(self) -> int:
-        return self.csr.num_edges
-
-    @property
-    def nb_features(self) -> int:
-        return 0 if self.projection is None else self.projection.shape[0]
-
-    @property
-    def has_performer_segments(self) -> bool:
-        return any(n > self.threshold for n in self.hist[0])
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    family: str
-    alpha: float | None = None
-
-    @property
-    def semantics(self) -> str:
-        """``exact`` for backends that run exact attention everywhere, else ``switch``."""
-        from nt_kernels.bench.peers import EXACT_PEERS
-
-        return "exact" if self.family == "parallel" or self.family in EXACT_PEERS else "switch"
-
-    @property
-    def is_peer(self) -> bool:
-        from nt_kernels.bench.peers import PEER_FAMILIES
-
-        return self.family in PEER_FAMILIES
-
-
 def all_backends(alphas=ALPHAS) -> list[Backend]:
     """Every backend in table order: ours, the loop reference, the paper's strategies, the peers."""
-    from nt_kernels.bench.peers import peer_backends
-
     backends = [Backend("fused", "fused"), Backend("performer-simt", "performer-simt"),
                 Backend("reference", "reference"),
                 Backend("parallel", "parallel"), Backend("by-size", "by-size")]
     backends += [Backend(f"partitioned-{a:g}", "partitioned", float(a)) for a in alphas]
-    backends += [Backend("sequential", "sequential"), *peer_backends()]
+    backends += [Backend("sequential", "sequential"), *peers.peer_backends()]
     return backends
 
 
@@ -126,7 +70,6 @@ def select_backends(spec: str | None, alphas=ALPHAS) -> list[Backend]:
 def padded_groups(backend: Backend, ctx: Context) -> list[tuple[int, int, bool]] | None:
     """(segments G, padded length L, performer?) of every batched call a strategy or padded peer makes, else None."""
     from nt_kernels.baselines.partition import partition_by_area
-    from nt_kernels.bench import peers
 
     if backend.is_peer:
         return peers.padded_groups(backend, ctx)
@@ -171,8 +114,6 @@ def padded_estimate_bytes(backend: Backend, ctx: Context) -> int | None:
 def skip_reason(backend: Backend, ctx: Context) -> str | None:
     """Why ``backend`` is not run on this graph and device (a ``skipped: ...`` / ``n/a: ...`` status)."""
     if backend.is_peer:
-        from nt_kernels.bench import peers
-
         reason = peers.skip_reason(backend, ctx)
         if reason is not None:
             return reason
@@ -192,8 +133,6 @@ def skip_reason(backend: Backend, ctx: Context) -> str | None:
 def forward_only_reason(backend: Backend, ctx: Context) -> str | None:
     """Why ``backend`` has no backward on this device (it is then measured forward only), else None."""
     if backend.is_peer:
-        from nt_kernels.bench import peers
-
         return peers.backward_unsupported(backend, ctx)
     return None
 
@@ -232,8 +171,6 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
         return lambda q, k, v: strategies.partitioned(q, k, v, rowptr, projection=projection,
                                                       threshold=threshold, alpha=alpha)
     if backend.is_peer:
-        from nt_kernels.bench import peers
-
         return peers.prepare(backend, ctx)
     raise ValueError(f"bench: no backend family {backend.family!r}")
 

@@ -14,8 +14,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import re
 import sys
 import tempfile
 import time
@@ -24,8 +22,11 @@ from pathlib import Path
 import torch
 
 from nt_kernels.bench import backends as bb
+from nt_kernels.bench import layer
 from nt_kernels.bench import measure as bm
 from nt_kernels.bench import peers
+from nt_kernels.bench.context import PEER_FAMILIES
+from nt_kernels.bench.measure import device_name, slug, versions
 
 SCHEMA_VERSION = 1
 REAL_GRAPHS = ("minesweeper", "tolokers")
@@ -38,38 +39,6 @@ DESCRIPTION = ("Measure forward and forward+backward time, peak memory and error
                "default the current directory) and print a table. With --layer: NT training steps, "
                "fused vs fused=False (see the 'layer level' options).")
 SUBSETS = ("all", "exact", "performer")
-
-
-# ----------------------------------------------------------------- device
-def device_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU model from /proc/cpuinfo with the core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores)"
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
-
-
-def versions() -> dict:
-    import nt_kernels
-
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
-            "nt_kernels": nt_kernels.__version__}
 
 
 # ----------------------------------------------------------------- graphs
@@ -247,7 +216,7 @@ def summarize_peers(doc: dict) -> dict:
     by_name = {e["backend"]: e for e in doc["results"]}
     fused = by_name.get("fused")
     all_exact = doc["graph"]["segments"]["performer"] == 0
-    ran = [e for e in doc["results"] if e["family"] in peers.PEER_FAMILIES and "forward_ms" in e
+    ran = [e for e in doc["results"] if e["family"] in PEER_FAMILIES and "forward_ms" in e
            and e["status"] in ("ok", bm.FORWARD_ONLY)
            and (all_exact or bb.Backend(e["backend"], e["family"], e["alpha"]).semantics == "switch")]
     summary = {}
@@ -411,15 +380,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--docs-dir", default=".",
                    help="where --plot writes the figures and results.md (default: the current directory)")
     p.set_defaults(func=run)
-    from nt_kernels.bench import layer
-
     layer.add_arguments(p)
     return p
 
 
 def run(args) -> int:
-    from nt_kernels.bench import layer
-
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"bench: --threads must be >= 1, got {args.threads}")

@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -256,6 +259,38 @@ def measure_backend(backend: bb.Backend, ctx: bb.Context, settings: dict, refs: 
         if not math.isfinite(entry["max_abs_error"]):
             entry["status"] = "error: non-finite output"
     return entry
+
+
+# --------------------------------------------------------------- provenance
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model from /proc/cpuinfo with the core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
+
+
+def versions() -> dict:
+    import nt_kernels
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version,
+            "nt_kernels": nt_kernels.__version__}
 
 
 def run_worker(module: str, spec_file: Path, result_file: Path, timeout: float, entry: dict) -> dict:

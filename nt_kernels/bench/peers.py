@@ -38,10 +38,8 @@ from typing import Callable
 
 import torch
 
-from nt_kernels.bench.backends import Backend, Context
+from nt_kernels.bench.context import Backend, Context
 
-EXACT_PEERS = ("pyg-pairs", "nested", "flex")
-PEER_FAMILIES = (*EXACT_PEERS, "performer-pytorch")
 PERFORMER_ALPHA = 0.4
 FLEX_BLOCK = 128
 # pyg-pairs memory per (query, key) pair and head: c_d * D elements (gathered q, k and v, the products and

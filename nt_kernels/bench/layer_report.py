@@ -1,0 +1,96 @@
+"""What ``nt-kernels bench --layer`` prints and publishes: the table of one run and the layer
+block of docs/results.md, from the JSON documents of :mod:`nt_kernels.bench.layer`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _mib(value) -> str:
+    return "–" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _ms(value) -> str:
+    return f"{value:,.1f}"
+
+
+def _graph_text(g: dict) -> str:
+    if "num_messages" not in g:
+        return f"{g['name']}: {g['status']}"
+    return (f"{g['name']}: N={g['num_nodes']:,}, {g['num_messages']:,} messages, max degree {g['max_degree']:,}; "
+            f"threshold {g['threshold']:.1f}: exact {g['messages']['exact']:,} messages in "
+            f"{g['segments']['exact']:,} segments, Performer {g['messages']['performer']:,} in "
+            f"{g['segments']['performer']:,}")
+
+
+def _preset_text(doc: dict) -> str:
+    p = doc["preset"]
+    return (f"{p['name']} preset: {p['aggr']}, {p['head_dim']} x {p['heads']} heads, {p['num_layers']} layers, "
+            f"dropout {p['dropout']:g}{', sep' if p['sep'] else ''}")
+
+
+def _ratio_text(summary: dict) -> str:
+    if "speedup" not in summary:
+        return f"no ratio (fused: {summary['fused']}; unfused: {summary['unfused']})"
+    memory = summary["memory_ratio"]
+    return (f"fused is {summary['speedup']:.2f}x faster per step, "
+            + (f"{memory:.3f}x" if memory is not None else "n/a (unfused peak 0) x")
+            + f" the step's peak memory of fused=False ({summary['memory_ratio_total']:.3f}x with the baseline)")
+
+
+def format_table(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [_graph_text(doc["graph"]),
+             f"{_preset_text(doc)} | {s['dtype']} | {doc['device']['name']}, {s['threads']} threads, "
+             f"load average {doc['load_average']['start'][0]:.1f} -> {doc['load_average']['end'][0]:.1f}",
+             f"{'variant':8s} {'step ms':>10s} {'peak MiB':>10s} {'baseline MiB':>13s}  status"]
+    for e in doc["results"]:
+        step = f"{e['step_ms']:10.1f}" if e.get("step_ms") is not None else f"{'-':>10s}"
+        lines.append(f"{e['variant']:8s} {step} {_mib(e.get('peak_memory_bytes')):>10s} "
+                     f"{_mib(e.get('baseline_bytes')):>13s}  {e['status']}")
+    lines.append(_ratio_text(doc["summary"]))
+    return "\n".join(lines)
+
+
+def layer_block(results_dir: Path) -> str:
+    """The markdown table of every layer result file in ``results_dir`` (the block in docs/results.md)."""
+    lines = ["| device | graph | preset | dtype | fused step ms | fused=False step ms | speed-up | fused peak MiB "
+             "| fused=False peak MiB | memory ratio | raw |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    commands = []
+    for path in sorted(results_dir.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("kind") != "layer":
+            continue
+        by_variant, sm = {e["variant"]: e for e in doc["results"]}, doc["summary"]
+
+        def cell(variant: str, key: str, fmt) -> str:
+            entry = by_variant.get(variant)
+            if entry is None:
+                return "not run"
+            return fmt(entry[key]) if entry["status"] == "ok" else entry["status"]
+
+        ratio, speedup = sm.get("memory_ratio"), sm.get("speedup")
+        graph = _graph_text(doc["graph"]) + (" (dry run)" if doc["settings"]["dry_run"] else "")
+        cells = [doc["device"]["name"], graph, _preset_text(doc), doc["settings"]["dtype"],
+                 cell("fused", "step_ms", _ms), cell("unfused", "step_ms", _ms),
+                 "–" if speedup is None else f"{speedup:.2f}×",
+                 cell("fused", "peak_memory_bytes", _mib), cell("unfused", "peak_memory_bytes", _mib),
+                 "–" if ratio is None else f"{ratio:.3f}", f"`{path.name}`"]
+        lines.append("| " + " | ".join(cells) + " |")
+        load = doc["load_average"]
+        commands.append(f"* `{doc['command']}` — {doc['created']}, 1-min load {load['start'][0]:.1f} → "
+                        f"{load['end'][0]:.1f}, torch {doc['versions']['torch']}")
+    if not commands:
+        return "(no layer run yet)"
+    return "\n".join(lines + ["", "Commands:", ""] + commands)
+
+
+def publish(docs: list[tuple[dict, Path]], docs_dir: Path) -> Path:
+    """Write the layer block of ``docs_dir``/results.md from the result files next to the first document."""
+    from nt_kernels.bench.plot import replace_block
+
+    md = docs_dir / "results.md"
+    text = md.read_text() if md.is_file() else "# Results\n"
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(replace_block(text, "layer", layer_block(docs[0][1].parent)))
+    return md
