@@ -29,6 +29,9 @@ H_TILES = tl.constexpr(plan_layout.H_TILES)
 H_TILE_OFF = tl.constexpr(plan_layout.H_TILE_OFF)
 H_MULTI = tl.constexpr(plan_layout.H_MULTI)
 H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
+# The exact kernels' log-sum-exp pointer is not specialised on its alignment: the fused layer passes the rows of a
+# chunk (a view at any row), and the kernels read and write it one element per row anyway.
+LSE_UNALIGNED = ["lse_ptr"]
 
 
 class Spec(NamedTuple):
@@ -108,6 +111,13 @@ def num_programs(device: torch.device, per_sm: int = 32) -> int:
     if INTERPRET or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+
+
+def persistent_grid(device: torch.device, work: int | None, heads: int) -> tuple[int]:
+    """Grid of a persistent kernel: :func:`num_programs`, or fewer when the host knows the work items
+    (``work``, times ``heads``) and they are fewer."""
+    programs = num_programs(device)
+    return (programs if work is None else max(1, min(programs, work * heads)),)
 
 
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:

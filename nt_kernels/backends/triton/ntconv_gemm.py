@@ -125,13 +125,13 @@ def _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_ro
     return u
 
 
-@triton.jit(do_not_specialize=["row0", "seed_word", "threshold"])
+@triton.jit(do_not_specialize=["row0", "R", "PART", "seed_word", "threshold"])
 def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receiver, perm, seg_of_row,
-                     qkv, z_out, jac_out, row0, R, C, F, seed_word, threshold, drop_scale,
+                     qkv, z_out, jac_out, row0, R, PART, C, F, seed_word, threshold, drop_scale,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
                      STORE_Z: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels.
+    # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels (q, k, v: PART rows apart).
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = r < R
     grow = row0 + r.to(tl.int64)
@@ -159,13 +159,13 @@ def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receive
             w = tl.load(w_qkv + col[None, :] * C + ch[:, None], mask=n_valid[None, :] & ch_valid[:, None], other=0.0)
             acc = mm(z, w, DOT_PREC, BF16_EMU)
             acc += tl.load(b_qkv + col, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-            out_offs = (r[:, None].to(tl.int64) + part * R) * C + n[None, :]
+            out_offs = (r[:, None].to(tl.int64) + part * PART) * C + n[None, :]
             tl.store(qkv + out_offs, cast(acc, qkv.dtype.element_ty, BF16_EMU),
                      mask=valid[:, None] & n_valid[None, :])
 
 
 @triton.autotune(configs=gemm_configs(), key=["K", "N", "BLOCK_N", "HAS_BIAS", "HAS_MUL"])
-@triton.jit
+@triton.jit(do_not_specialize=["R", "A_PART"])
 def _rows_gemm_kernel(a, w, bias, mul, out, R, K, N, A_SPLIT, A_PART, A_ROW, W_K, W_N,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_MUL: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -205,7 +205,7 @@ def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
     _prologue_kernel[(triton.cdiv(rows, t.block_r),)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre,
         p.w_qkv, p.b_qkv, p.receiver, p.perm, seg_of_row, qkv, z_out if store else qkv, jac_out if store else qkv,
-        chunk.row0, rows, c, p.edge_dim, p.seed_word, p.drop_threshold, p.drop_scale,
+        chunk.row0, rows, qkv.shape[1], c, p.edge_dim, p.seed_word, p.drop_threshold, p.drop_scale,
         BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
         DROPOUT=p.dropout > 0, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
         num_stages=t.num_stages)

@@ -50,7 +50,7 @@ def _plain_grad(y, g_out, stats, keys, recv_rowptr, dy, r, k, valid, h, d, H, D,
 
 
 @triton.autotune(configs=[triton.Config({}, num_warps=4)], key=["H", "D", "MODE"])
-@triton.jit
+@triton.jit(do_not_specialize=["row0", "seg0", "R"], do_not_specialize_on_alignment=["keys"])
 def _message_grad_kernel(y, g_out, out, stats, keys, recv_rowptr, gate, seg_sum, seg_of_row, receiver, dy, wa,
                          row0, seg0, R, H, D, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):

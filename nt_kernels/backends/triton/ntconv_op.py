@@ -67,9 +67,8 @@ def _aggregation_mode(p: Problem) -> int:
 
 
 def segment_of_rows(chunk) -> torch.Tensor:
-    """(rows,) int64 centre node (segment id) of each of the chunk's rows."""
-    rows = torch.arange(chunk.rows, device=chunk.rowptr.device)
-    return torch.searchsorted(chunk.rowptr, rows, right=True) - 1 + chunk.seg0
+    """(rows,) int64 centre node (segment id) of each of the chunk's rows (kept in the plan)."""
+    return chunk.seg_of_row
 
 
 def _uncovered_zeros(p: Problem, shape, dtype) -> torch.Tensor:
@@ -78,30 +77,43 @@ def _uncovered_zeros(p: Problem, shape, dtype) -> torch.Tensor:
     return (torch.empty if p.plan.rows_covered else torch.zeros)(shape, dtype=dtype, device=p.device)
 
 
+def qkv_buffer(p: Problem, chunk, dtype, fill: bool = False) -> torch.Tensor:
+    """A chunk's (3, part_rows, H, D) buffer of q, k, v (or of their gradients): each part padded to
+    ``chunk.part_rows`` rows, so that q, k and v start 16-byte aligned whatever the chunk (the exact
+    kernels compile once); rows past ``chunk.rows`` are never read.  Zero-filled where ``fill``."""
+    shape = (3, chunk.part_rows, p.heads, p.head_dim)
+    return (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=p.device)
+
+
 def _attention_fwd(p: Problem, chunk, o, lse, q, k, v) -> None:
+    """Exact kernels with work in this chunk (their launch list kept on the plan), then the Performer
+    kernels through the trusted table the plan checked when it was built (no sync, no check here)."""
     if chunk.exact_plan is not None:
-        softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32)
+        softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
+                    memo=p.plan.memo)
     if chunk.performer is not None:
-        torch.ops.nt_kernels.performer_fwd_into(o, q, k, v, chunk.rowptr, chunk.performer, p.projection, p.eps)
+        torch.ops.nt_kernels.performer_fwd_table_into(o, q, k, v, chunk.rowptr, chunk.performer,
+                                                      chunk.performer_table, p.projection, p.eps)
 
 
 def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
     if chunk.exact_plan is not None:
-        softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32)
+        softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
+                    memo=p.plan.memo)
     if chunk.performer is not None:
-        torch.ops.nt_kernels.performer_bwd_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
-                                                p.projection, p.eps)
+        torch.ops.nt_kernels.performer_bwd_table_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
+                                                      chunk.performer_table, p.projection, p.eps)
 
 
 def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du); z (in the parameters' dtype) and dz/du
     (fp32) only in the backward."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
-    qkv = torch.empty((3, rows, p.heads, p.head_dim), dtype=p.dtype, device=p.device)
+    qkv = qkv_buffer(p, chunk, p.dtype)
     z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
     jac = torch.empty((rows, p.channels), dtype=torch.float32, device=p.device) if backward else None
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
-    q, k, v = qkv.unbind(0)
+    q, k, v = qkv[:, :rows].unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
     _attention_fwd(p, chunk, o, lse, q, k, v)
     y = torch.empty((rows, p.out_channels), dtype=torch.float32, device=p.device)
@@ -151,17 +163,15 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     ``chunk_rows`` (tests only) overrides the chunk size of a plan built here.
     """
     p = problem("ntconv_fwd", locals())
-    out = torch.empty((p.num_out, p.channels), dtype=p.dtype, device=p.device)
     lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
     mode = _aggregation_mode(p)
-    state = State.empty(p.num_out, p.channels, mode, out)
+    state = State.empty(p.num_out, p.channels, mode, torch.empty(0, dtype=p.dtype, device=p.device))
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
         y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], backward=False)[0]
         receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
                 apply_gelu=True, gate=_gates(p, chunk, y, seg_of_row), bf16_emu=p.bf16_emu)
-    result, stats = _finish(p, state, mode)
-    out.copy_(result)
+    out, stats = _finish(p, state, mode)
     return out, lse, stats
 
 
@@ -208,7 +218,8 @@ def _input_grads(p: Problem, chunk, g: Grads, du, z, dqkv) -> None:
     """Weight gradients of the prologue and the input gradients from du for one chunk."""
     c, rows = p.channels, chunk.rows
     # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
-    _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=rows * c, b_row=c)
+    _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c,
+                 b_row=c)
     if g.centre is not None:
         segment_sum(g.centre[chunk.seg0:], du, chunk, c)
     if g.receiver is not None:
@@ -240,11 +251,11 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     rows_gemm(do, dy, p.w_out, rows=rows, k=p.out_channels, n=c, a_split=p.out_channels, a_part=0,
               a_row=p.out_channels, w_k=c, w_n=1, dot_prec=prec, bf16_emu=emu)
     # Attention backward, then du = (dqkv · w_qkv) · dz/du.
-    dqkv = _uncovered_zeros(p, (3, rows, p.heads, p.head_dim), p.dtype)
-    _attention_bwd(p, chunk, dqkv[0], dqkv[1], dqkv[2], do, q, k, v, o, lse)
+    dqkv = qkv_buffer(p, chunk, p.dtype, fill=not p.plan.rows_covered)
+    _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse)
     du = torch.empty((rows, c), dtype=torch.float32, device=p.device)
-    rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=rows * c, a_row=c, w_k=c, w_n=1,
-              mul=jac, dot_prec=prec, bf16_emu=emu)
+    rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c, w_k=c,
+              w_n=1, mul=jac, dot_prec=prec, bf16_emu=emu)
     _input_grads(p, chunk, g, du, z, dqkv)
 
 

@@ -51,7 +51,7 @@ NUM_STAGES = 2        # software pipelining of the split kernel (at most 32 KB o
 ONES = tl.constexpr(16)  # columns of the ones block of the bias sums (the smallest tl.dot width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "A_PART", "row0"])
 def _weight_grad_kernel(a, b, index, partials, R, M, N, A_SPLIT, A_PART, A_ROW, B_ROW, row0,
                         SPLIT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
@@ -91,7 +91,7 @@ def _weight_grad_kernel(a, b, index, partials, R, M, N, A_SPLIT, A_PART, A_ROW, 
             tl.store(base + m * width + N, tl.sum(tl.where(first_column, bias, 0.0), axis=1), mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _combine_kernel(partials, w_acc, b_acc, S, M, N, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK: tl.constexpr):
     # Step 1: the sum over splits 0..S of BLOCK flat elements of the (M, N + HAS_BIAS) partials, in split order.
