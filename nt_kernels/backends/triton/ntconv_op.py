@@ -35,6 +35,8 @@ not exercised there).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.library import register_kernel
 
@@ -192,20 +194,39 @@ def _message_grad(p: Problem, chunk, y, seg_of_row, saved: Saved):
     return dy
 
 
+def _accumulators(shapes: dict, device, flat: bool) -> dict:
+    """fp32 zeros of each named shape (None: not wanted).  ``flat``: views of one buffer, 16-byte
+    aligned, filled by one launch, for accumulators the op casts to another dtype before returning
+    them (so no two outputs share memory); otherwise one tensor each."""
+    shapes = {n: s for n, s in shapes.items() if s is not None}
+    if not flat:
+        return {n: torch.zeros(s, dtype=torch.float32, device=device) for n, s in shapes.items()}
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
+    starts = [0]
+    for k in sizes.values():
+        starts.append(starts[-1] + -(-k // 4) * 4)
+    buffer = torch.zeros(starts[-1], dtype=torch.float32, device=device)
+    return {n: buffer[at:at + sizes[n]].view(s) for (n, s), at in zip(shapes.items(), starts)}
+
+
 class Grads:
-    """fp32 gradient accumulators of one backward call (None where not asked for)."""
+    """fp32 gradient accumulators of one backward call (None where not asked for): the weights' in
+    one buffer (one zero fill) when the parameters are not fp32, the node terms' likewise."""
 
     def __init__(self, p: Problem, input_mask):
-        dev, c, f32 = p.device, p.channels, torch.float32
-        self.centre = torch.zeros((p.num_nodes, c), dtype=f32, device=dev) if input_mask[0] else None
-        self.receiver = State.empty(p.num_nodes, c, AGG_SUM, p.centre) if input_mask[1] else None
+        c, f32 = p.channels, torch.float32
         has_edge = p.edge_attr is not None
+        nodes = _accumulators(dict(centre=(p.num_nodes, c) if input_mask[0] else None,
+                                   receiver=(p.num_nodes, c) if input_mask[1] else None),
+                              p.device, p.centre.dtype != f32)
+        self.centre = nodes.get("centre")
+        self.receiver = State(nodes["receiver"], out_type=p.centre) if input_mask[1] else None
         self.edge_attr = torch.zeros_like(p.edge_attr) if has_edge and input_mask[2] else None
-        self.w_edge = torch.zeros((c, p.edge_dim), dtype=f32, device=dev) if has_edge else None
-        self.w_qkv = torch.zeros((3 * c, c), dtype=f32, device=dev)
-        self.b_qkv = torch.zeros(3 * c, dtype=f32, device=dev)
-        self.w_out = torch.zeros((p.out_channels, c), dtype=f32, device=dev)
-        self.b_out = torch.zeros(p.out_channels, dtype=f32, device=dev)
+        weights = _accumulators(dict(w_edge=(c, p.edge_dim) if has_edge else None, w_qkv=(3 * c, c), b_qkv=(3 * c,),
+                                     w_out=(p.out_channels, c), b_out=(p.out_channels,)),
+                                p.device, p.dtype != f32)
+        self.w_edge = weights.get("w_edge")
+        self.w_qkv, self.b_qkv, self.w_out, self.b_out = (weights[n] for n in ("w_qkv", "b_qkv", "w_out", "b_out"))
 
 
 def _weight_grad(p: Problem, w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, b_row, index=None, row0=0):
