@@ -93,7 +93,7 @@ REDUCE_STATE = 1024      # items x channels of the per-item running state (up to
 
 @dataclass(frozen=True)
 class ReduceTiles:
-    """Launch shape of ``ntconv_reduce._reduce_kernel`` for one item class: BLOCK_G items of
+    """Launch shape of one item class in ``ntconv_reduce._reduce_kernel``: BLOCK_G items of
     ``slot_rows`` rows per program, reduced BLOCK_E rows at a time (one step unless a slot is taller
     than the tile), BLOCK_C channels per program."""
 
@@ -120,11 +120,12 @@ def reduce_tiles(channels: int, slot_rows: int) -> ReduceTiles:
     rows (:func:`reduce_launch`): BLOCK_E = min(slot, ROWS) rows per step, filled with
     BLOCK_G = min(ROWS / BLOCK_E, STATE_ITEMS) items (64 one-row items, one 64-row item).  One
     pipeline stage: a slot is one step (four at most), and the latency of its gathers is hidden by
-    the other programs on the SM, not by shared-memory buffers.  Depends on sizes only."""
+    the other programs on the SM, not by shared-memory buffers; 8 warps (the one kernel of all seven
+    classes spilled at C = 256 with 4, and held fewer warps per SM).  Depends on sizes only."""
     block_c, rows, state_items = reduce_launch(channels)
     block_e = min(slot_rows, rows)
     block_g = max(1, min(rows // block_e, state_items))
-    return ReduceTiles(block_g, block_e, block_c, slot_rows, 4, 1)
+    return ReduceTiles(block_g, block_e, block_c, slot_rows, 8, 1)
 
 
 NORMALIZE_TILE = 1024     # rows x heads per program of the centre softmax's second pass

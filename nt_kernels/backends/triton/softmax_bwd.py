@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LSE_UNALIGNED, LOG2E, LOG2E_C, Spec,
-                                               block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, packed_classes, packed_rows,
-                                               packed_spec, persistent_grid, segment_any)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, LSE_UNALIGNED,
+                                               Spec, block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, packed_classes, packed_rows, packed_spec,
+                                               persistent_grid, segment_any)
 from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LSE_UNALIGNED, LN2, LOG2E, Spec,
-                                               block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, packed_classes, packed_rows,
-                                               packed_spec, persistent_grid, segment_any)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, LSE_UNALIGNED,
+                                               Spec, block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, packed_classes, packed_rows, packed_spec,
+                                               persistent_grid, segment_any)
 from nt_kernels.backends.triton.packed_heads import _fwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
 
