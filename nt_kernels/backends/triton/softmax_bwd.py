@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, LSE_UNALIGNED,
-                                               Spec, block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, packed_classes, packed_rows, packed_spec,
-                                               persistent_grid, segment_any)
+                                               Spec, block_d, cast, exact_launches, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, packed_rows, packed_spec, segment_any)
 from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
+from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
 
 @triton.jit
@@ -185,24 +184,14 @@ def bwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: i
 
 
 def bwd_launches(q, args: dict, allow_tf32: bool = False, work=None) -> list[tuple[str, Spec, tuple]]:
-    """(kernel, spec, grid) of every backward launch, as ``softmax_fwd.fwd_launches``: the packed
-    classes, then the multi-tile dQ and dK/dV passes (only those with ``work`` when it is given).
-    ``args``: each kernel's launch arguments, read only by the opt-in autotuning."""
-    _, H, D = q.shape
-    out = []
-    for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
-        if work is not None and not work[c]:
-            continue
-        grid = persistent_grid(q.device, None if work is None else work[c], H)
-        out.append(("bwd_packed", choose_spec("bwd_packed", lambda cfg: bwd_spec(
-            "bwd_packed", cfg, q.dtype, H, D, c, tile, allow_tf32), q, tile, grid, args["bwd_packed"]), grid))
-    if work is None or work[-1]:
-        grid = persistent_grid(q.device, None if work is None else work[-1], H)
-        for kernel in ("bwd_dq", "bwd_dkdv"):
-            out.append((kernel, choose_spec(kernel, lambda cfg: bwd_spec(kernel, cfg, q.dtype, H, D,
-                                                                         allow_tf32=allow_tf32),
-                                            q, None, grid, args[kernel]), grid))
-    return out
+    """(kernel, spec, grid) of every backward launch (``common.exact_launches``): the packed classes,
+    then the multi-tile dQ and dK/dV passes; only those with ``work`` when it is given."""
+    dtype, heads, head_dim = q.dtype, q.shape[1], q.shape[2]
+    return exact_launches(
+        q, work, "bwd_packed",
+        lambda cfg, c, tile: bwd_spec("bwd_packed", cfg, dtype, heads, head_dim, c, tile, allow_tf32),
+        {kernel: (lambda cfg, kernel=kernel: bwd_spec(kernel, cfg, dtype, heads, head_dim, allow_tf32=allow_tf32))
+         for kernel in ("bwd_dq", "bwd_dkdv")}, args)
 
 
 def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False, work=None, memo=None):

@@ -24,11 +24,10 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, LSE_UNALIGNED,
-                                               Spec, block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, packed_classes, packed_rows, packed_spec,
-                                               persistent_grid, segment_any)
+                                               Spec, block_d, cast, exact_launches, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, packed_rows, packed_spec, segment_any)
 from nt_kernels.backends.triton.packed_heads import _fwd_heads_kernel
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
+from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
 
 @triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
@@ -121,26 +120,15 @@ def fwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: i
                                         BLOCK_D=block_d(head_dim)), config["num_warps"], config["num_stages"])
 
 
-def fwd_launches(q, tensors: dict, allow_tf32: bool = False, work=None) -> list[tuple[Spec, tuple]]:
-    """(spec, grid) of every forward launch for q's dtype, head dim and device: each packed class the
-    plan can hold, then the multi-tile kernel.  With ``work`` (tiles per packed class, then multi-tile
-    items: ``ntconv_plan.Chunk.exact_work``, known on the host) only the kernels with work, on grids
-    no larger than it.  ``tensors`` are the launch's arguments (read only when
-    NT_KERNELS_TRITON_AUTOTUNE=1 times the configs)."""
-    _, H, D = q.shape
-    out = []
-    for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
-        if work is not None and not work[c]:
-            continue
-        grid = persistent_grid(q.device, None if work is None else work[c], H)
-        out.append((choose_spec("fwd_packed", lambda cfg: fwd_spec("fwd_packed", cfg, q.dtype, H, D, c, tile,
-                                                                   allow_tf32), q, tile, grid, tensors), grid))
-    if work is None or work[-1]:
-        grid = persistent_grid(q.device, None if work is None else work[-1], H)
-        out.append((choose_spec("fwd_multi", lambda cfg: fwd_spec("fwd_multi", cfg, q.dtype, H, D,
-                                                                  allow_tf32=allow_tf32), q, None, grid, tensors),
-                    grid))
-    return out
+def fwd_launches(q, tensors: dict, allow_tf32: bool = False, work=None) -> list[tuple[str, Spec, tuple]]:
+    """(kernel, spec, grid) of every forward launch (``common.exact_launches``): each packed class,
+    then the multi-tile kernel; only those with ``work`` when it is given."""
+    dtype, heads, head_dim = q.dtype, q.shape[1], q.shape[2]
+    return exact_launches(
+        q, work, "fwd_packed",
+        lambda cfg, c, tile: fwd_spec("fwd_packed", cfg, dtype, heads, head_dim, c, tile, allow_tf32),
+        {"fwd_multi": lambda cfg: fwd_spec("fwd_multi", cfg, dtype, heads, head_dim, allow_tf32=allow_tf32)},
+        {"fwd_packed": tensors, "fwd_multi": tensors})
 
 
 def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, work=None, memo=None):
@@ -156,5 +144,5 @@ def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, work=None, memo=
     tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, plan=plan, qk_scale=float(scale) * LOG2E)
     key = ("fwd", q.dtype, q.shape[1], q.shape[2], q.device, allow_tf32, work)
     build = lambda: fwd_launches(q, tensors, allow_tf32, work)  # noqa: E731
-    for spec, grid in build() if memo is None else memo(key, build):
+    for _, spec, grid in build() if memo is None else memo(key, build):
         launch(spec, grid, **tensors)
