@@ -50,8 +50,10 @@ gpu-dry-run: $(STAMP)
 	OUT=gpu-out/check GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 	OUT=gpu-out/perf GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu_perf.sh
 
-# Compile every csrc/cuda/*.cu for sm_80 and sm_90 (no GPU needed) and
-# syntax-check the torch bindings; fails on a compile error or a register spill.
+# Compile every csrc/cuda/*.cu for sm_80, sm_89 and sm_90 (no GPU needed) and
+# syntax-check the torch bindings; fails on a compile error, a register spill,
+# or a tensor-core Performer kernel without tensor-core instructions or with an
+# integer divide (per-kernel table: scripts/cuda_check.sh).
 cuda-check:
 	bash scripts/cuda_check.sh
 

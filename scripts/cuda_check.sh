@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA sources, no GPU needed (`make cuda-check`, CI).
 #
-# 1. every csrc/cuda/*.cu is compiled with nvcc for sm_80 and sm_90; a compile
-#    error fails, the ptxas report (registers, stack, spills per kernel) is
-#    printed, and any kernel with spill stores > 0 fails the check;
-# 2. the SASS of every object is disassembled (cuobjdump --dump-sass) and the
-#    tensor-core instructions (HMMA, HGMMA) of every kernel are counted and
-#    printed; the check fails when a tensor-core Performer kernel
-#    (nt_kernels::cuda::performer_tc::*, bfloat16 / float16, and float32 as
-#    3xTF32) has none, or when one of the six expected per dtype and arch is
-#    missing (keys and query-backward kernels in two accumulator variants, query
-#    forward, key gradients).  The SIMT Performer kernels are listed with their
-#    count (0);
+# 1. every csrc/cuda/*.cu is compiled with nvcc for sm_80, sm_89 and sm_90; a
+#    compile error fails;
+# 2. one table per kernel and arch: registers, stack frame and spill bytes
+#    (ptxas -v), and from the SASS (cuobjdump --dump-sass) the tensor-core
+#    instructions (HMMA, HGMMA; static count) and the integer-divide sequences
+#    (I2F.*.RP, see sass_rows).  The check fails when any kernel spills, and for
+#    the tensor-core Performer kernels (nt_kernels::cuda::performer_tc::*,
+#    bfloat16 / float16, and float32 as 3xTF32) when one has no tensor-core
+#    instruction or any integer-divide sequence, or when one of the eight
+#    expected per dtype and arch is missing (keys and query-backward kernels in
+#    three accumulator variants, query forward, key gradients).  The SIMT
+#    Performer kernels are listed (0 tensor-core instructions; their divides are
+#    not gated);
 # 3. every csrc/cuda/*_binding.cpp is syntax-checked with the host compiler
 #    against torch's headers (when torch is importable) and the CUDA headers.
 #
@@ -24,8 +26,10 @@ cd "$(dirname "$0")/.."
 NVCC=${NVCC:-nvcc}
 CXX=${CXX:-g++}
 PYTHON=${PYTHON:-python3}
-ARCHS=(-gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90)
-TC_KERNELS_PER_ARCH=18  # 6 tensor-core kernels x (__half, __nv_bfloat16, float)
+ARCH_NAMES=(sm_80 sm_89 sm_90)  # A100, L4 / L40 / RTX 40xx, H100 / H200
+ARCHS=()
+for a in "${ARCH_NAMES[@]}"; do ARCHS+=(-gencode "arch=compute_${a#sm_},code=$a"); done
+TC_KERNELS_PER_ARCH=24  # 8 tensor-core kernels x (__half, __nv_bfloat16, float)
 work=$(mktemp -d /tmp/nt-cuda-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
@@ -57,65 +61,78 @@ command -v c++filt >/dev/null && demangle="c++filt"
 # Drops kernels' parameter lists from demangled names.
 strip_params() { sed -E 's/\((nt_kernels::[^)]*|[^)]*)\)//'; }
 
-# Turns `nvcc -Xptxas -v` output into one line per kernel and arch; prints
-# "SPILL" in the last column (and exits 1) when a kernel stores to local memory.
-ptxas_table() {
+# `nvcc -Xptxas -v` output -> one line per kernel and arch:
+# "arch regs stack spill-stores spill-loads mangled-name".
+ptxas_rows() {
   awk '
     /Compiling entry function/ { match($0, /function .[^'"'"']+/); name = substr($0, RSTART + 10, RLENGTH - 10);
                                  match($0, /for .sm_[0-9a-z]+/); arch = substr($0, RSTART + 5, RLENGTH - 5); next }
     /bytes stack frame/        { stack = $1; stores = $5; loads = $9; next }
     /Used [0-9]+ registers/    { match($0, /Used [0-9]+ registers/); regs = substr($0, RSTART + 5, RLENGTH - 15);
                                  if (name == "") next;
-                                 flag = (stores + 0 > 0) ? "SPILL" : "";
-                                 if (flag != "") bad = 1;
-                                 printf "%-6s %4s regs %5s B stack %5s B spill st %5s B spill ld  %s %s\n",
-                                        arch, regs, stack, stores, loads, name, flag;
-                                 name = "" }
-    END { exit bad }'
+                                 print arch, regs, stack, stores, loads, name; name = "" }'
 }
 
-# "arch count mangled-name" for every kernel in an object's SASS, count = HMMA + HGMMA lines.
-sass_counts() {
+# "arch hmma idiv mangled-name" for every kernel in an object's SASS:
+#   hmma = HMMA + HGMMA instructions (static count in the code, not executed count);
+#   idiv = runtime integer divide / modulo sequences, counted by their one
+#          I2F.U32.RP / I2F.S32.RP / I2F.U64.RP (the reciprocal seed of the
+#          division idiom: I2F.RP, MUFU.RCP, IMAD.HI Newton steps).  A 32-bit
+#          x / y or x % y of run-time values is one sequence; a 64-bit one is two
+#          (its inline 32-bit fast path and the __internal udivmod subroutine
+#          placed in the same function's code).  Division by a compile-time
+#          constant (a multiply-high by a magic number, IMAD.WIDE / IMAD.HI without
+#          I2F.RP) and float division (MUFU.RCP alone) are not counted.
+sass_rows() {
   "$CUOBJDUMP" --dump-sass "$1" | awk '
     /code for sm_/   { arch = $3 }
-    /Function :/     { fn = $3; key = arch " " fn; if (!(key in n)) { n[key] = 0; order[++k] = key } }
-    /HMMA|HGMMA/     { n[arch " " fn]++ }
-    END { for (i = 1; i <= k; ++i) { split(order[i], p, " "); print p[1], n[order[i]], p[2] } }'
+    /Function :/     { fn = $3; key = arch " " fn; if (!(key in h)) { h[key] = 0; d[key] = 0; order[++k] = key } }
+    /HMMA|HGMMA/     { h[arch " " fn]++ }
+    /I2F(\.[SU](32|64))?\.RP/ { d[arch " " fn]++ }
+    END { for (i = 1; i <= k; ++i) { split(order[i], p, " "); print p[1], h[order[i]], d[order[i]], p[2] } }'
 }
 
+ptxas_all="$work/ptxas.txt"
 sass_all="$work/sass.txt"
+: >"$ptxas_all"
 : >"$sass_all"
 for src in csrc/cuda/*.cu; do
   obj="$work/$(basename "$src" .cu).o"
   log="$work/$(basename "$src" .cu).ptxas"
-  echo "== nvcc $src (sm_80, sm_90)"
+  echo "== nvcc $src (${ARCH_NAMES[*]})"
   if ! "$NVCC" -std=c++17 -O3 -Icsrc "${ARCHS[@]}" -Xptxas -v -c "$src" -o "$obj" >"$log" 2>&1; then
     cat "$log" >&2
     echo "cuda-check: compile error in $src" >&2
     status=1
     continue
   fi
-  if ! ptxas_table <"$log" | $demangle | strip_params; then
-    echo "cuda-check: local-memory spills in $src (see SPILL above)" >&2
-    status=1
-  fi
   grep -E "warning" "$log" >&2 || true
-  sass_counts "$obj" | while read -r arch count name; do
-    echo "$arch $count $(echo "$name" | $demangle | strip_params)"
-  done >>"$sass_all"
+  ptxas_rows <"$log" >>"$ptxas_all"
+  sass_rows "$obj" >>"$sass_all"
 done
 
-echo "== tensor-core instructions (HMMA + HGMMA) per kernel, cuobjdump --dump-sass"
-sort -s -k1,1 "$sass_all" | awk '{ arch = $1; count = $2; $1 = ""; $2 = ""; sub(/^  /, "");
-                                   printf "%-6s %5d tensor-core instr  %s\n", arch, count, $0 }'
+# One table: registers, stack and spills (ptxas) joined with the SASS counts by
+# (arch, kernel).  Fails on a spill anywhere, and for the tensor-core Performer
+# kernels (nt_kernels::cuda::performer_tc::*, bfloat16 / float16, and float32 as
+# 3xTF32) on a kernel without HMMA/HGMMA, on any integer divide sequence, or when
+# one of the expected kernels per arch is missing.
+echo "== per kernel: ptxas registers / stack / spill bytes; SASS tensor-core instructions (HMMA+HGMMA) and integer divide sequences (I2F.*.RP)"
+printf "%-6s %5s %6s %8s %8s %5s %5s  %s\n" arch regs stack spill-st spill-ld hmma idiv kernel
+table="$work/table.txt"
+awk 'NR == FNR { sass[$1 " " $4] = $2 " " $3; next }
+     { key = $1 " " $6; s = (key in sass) ? sass[key] : "- -"; print $1, $2, $3, $4, $5, s, $6 }' \
+    "$sass_all" "$ptxas_all" | sort -s -k1,1 >"$table"
+while read -r arch regs stack st ld hmma idiv name; do
+  printf "%-6s %5s %6s %8s %8s %5s %5s  %s\n" "$arch" "$regs" "$stack" "$st" "$ld" "$hmma" "$idiv" \
+         "$(echo "$name" | $demangle | strip_params)"
+done <"$table" | tee "$work/table.demangled"
 if ! awk -v want="$TC_KERNELS_PER_ARCH" '
-    { arch = $1; count = $2; $1 = ""; $2 = ""; name = $0; sub(/^ +/, "", name) }
+    { arch = $1; st = $4; hmma = $6; idiv = $7; name = $0; sub(/^([^ ]+ +){7}/, "", name) }
+    st + 0 > 0 { print "cuda-check: local-memory spills in " name " (" arch ")" > "/dev/stderr"; bad = 1 }
     name ~ /performer_tc::tc_[a-z_]+_kernel<(__half|__nv_bfloat16|float)[,>]/ {
       seen[arch]++
-      if (count == 0) {
-        print "cuda-check: no tensor-core instruction in " name " (" arch ")" > "/dev/stderr"
-        bad = 1
-      }
+      if (hmma + 0 == 0) { print "cuda-check: no tensor-core instruction in " name " (" arch ")" > "/dev/stderr"; bad = 1 }
+      if (idiv + 0 > 0) { print "cuda-check: " idiv " integer divide sequence(s) in " name " (" arch ")" > "/dev/stderr"; bad = 1 }
     }
     { archs[arch] = 1 }
     END {
@@ -125,7 +142,7 @@ if ! awk -v want="$TC_KERNELS_PER_ARCH" '
         bad = 1
       }
       exit bad
-    }' "$sass_all"; then
+    }' "$work/table.demangled"; then
   status=1
 fi
 

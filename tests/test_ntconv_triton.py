@@ -723,11 +723,11 @@ WGRAD_USES = [pytest.param("w_qkv", id="qkv-three-parts-bias"), pytest.param("w_
               pytest.param("w_edge", id="edge-gathered-B")]
 
 
-def _weight_grad_case(use, dtype, rows, seed=0):
+def _weight_grad_case(use, dtype, rows, seed=0, channels=12):
     """Operands of one weight gradient as the op passes them (ntconv_op._input_grads / _backward_chunk),
-    with C = 12, and the float64 truth of dW and db from the operands rounded to ``dtype``."""
+    with C = ``channels``, and the float64 truth of dW and db from the operands rounded to ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
-    c, f, row0 = 12, 5, 3
+    c, f, row0 = channels, 5, 3
 
     def rand(*shape, to=dtype):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(to)
@@ -935,7 +935,8 @@ def test_check_suite_runs(tmp_path):
 def _spec_kernels():
     from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_reduce, ntconv_wgrad
 
-    return {ntconv_gemm._prologue_kernel, ntconv_gemm._rows_gemm_kernel, ntconv_grad._message_grad_kernel,
+    return {ntconv_gemm._prologue_kernel, ntconv_gemm._rows_gemm_kernel, ntconv_gemm._du_kernel,
+            ntconv_gemm._centre_fixup_kernel, ntconv_grad._message_grad_kernel,
             ntconv_reduce._gate_kernel, ntconv_reduce._reduce_kernel, ntconv_reduce._merge_kernel,
             ntconv_reduce._normalize_kernel, ntconv_wgrad._weight_grad_kernel, ntconv_wgrad._combine_kernel}
 

@@ -5,8 +5,9 @@ Calls the composite ops directly with every segment on the Performer path:
 ``attention_bwd``.  On CUDA both implementations run, chosen per test with
 NT_KERNELS_PERFORMER: ``simt`` (fp32 arithmetic, every dtype) and ``tc``
 (tensor-core kernels where the shape fits them: bfloat16 / float16 operands,
-float32 as 3xTF32 products; the SIMT kernels otherwise).  Unset, float32 runs
-the SIMT kernels and bfloat16 / float16 the tensor-core ones.
+float32 as 3xTF32 products; the SIMT kernels otherwise).  Unset, every dtype
+runs the SIMT kernels (the tensor-core ones are opt-in until a GPU has passed
+them: test_cuda_performer_defaults pins that on CPU).
 
 Accuracy rule: the kernel's max error against the float64 reference is at most
 twice the error of a baseline in the test dtype, plus a floor relative to the
@@ -168,7 +169,9 @@ def product(dtype):
 
 
 def _model_key_sums(k, v, proj, ps, dsc, eps, rnd, mm):
-    """Keys pass + combine: W (m x D+1), the segment max M and sigma."""
+    """Keys pass + combine: W (m x D+1), the segment max M and sigma.  B, the column sums
+    of (v, 1), comes from the tensor cores as ones^T (v, 1) per row tile (the kernels' ones
+    operand; for float32 its small half is 0, so ones*small + ones*big)."""
     parts = {}
     for c0, t0, t1 in _row_tiles(k.shape[0]):
         a, mc, b = parts.get(c0, (0.0, -math.inf, 0.0))
@@ -177,7 +180,7 @@ def _model_key_sums(k, v, proj, ps, dsc, eps, rnd, mm):
         mnew = max(mc, ps * u.max().item())
         a = a * (math.exp2(mc - mnew) if mc > -math.inf else 0.0)
         e = rnd(torch.exp2(ps * u - dsc * (k[t0:t1] ** 2).sum(1, keepdim=True) - mnew))
-        parts[c0] = (a + mm(e.T, vt), mnew, b + vt.sum(0))
+        parts[c0] = (a + mm(e.T, vt), mnew, b + mm(torch.ones(1, t1 - t0), vt)[0])
     mseg = max(mc for _, mc, _ in parts.values())
     w = sum(a * math.exp2(mc - mseg) for a, mc, _ in parts.values()) + eps * sum(b for *_, b in parts.values())
     return w, mseg, float(pow2_scale(w.abs().max()))
@@ -281,6 +284,35 @@ def test_tensor_core_model_within_bound(dim, m, grad_scale, dtype):
                                  run=tensor_core_model)
 
 
+# The CUDA binding's choice of kernels (common/performer_choice.h), callable on every build.
+# Until the GPU-truth issue (28) has passed the tensor-core kernels on a GPU, SIMT is every
+# dtype's default; that issue flips performer_tensor_cores_by_default and DEFAULT_KERNELS together.
+DEFAULT_KERNELS = {"float32": "simt", "bfloat16": "simt", "float16": "simt"}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_cuda_performer_defaults(dtype):
+    """Unset NT_KERNELS_PERFORMER: the default of the table above; "tc" asks for the tensor
+    cores (taken only where the shape fits), "simt" forces SIMT."""
+    choose = torch.ops.nt_kernels.performer_cuda_kernels
+    dt = DTYPES[dtype]
+    assert choose(dt, "", True) == DEFAULT_KERNELS[dtype]
+    assert choose(dt, "", False) == "simt"
+    assert choose(dt, "tc", True) == "tc"
+    assert choose(dt, "tc", False) == "simt"
+    assert choose(dt, "simt", True) == "simt"
+
+
+def test_cuda_performer_choice_rejects_bad_names():
+    choose = torch.ops.nt_kernels.performer_cuda_kernels
+    with pytest.raises(RuntimeError, match="performer_cuda_kernels: NT_KERNELS_PERFORMER must be 'tc' or 'simt', "
+                                           "got 'fast'"):
+        choose(torch.bfloat16, "fast", True)
+    with pytest.raises(RuntimeError, match="performer_cuda_kernels: dtype must be float32, float16 or bfloat16, "
+                                           "got Double"):
+        choose(torch.float64, "", True)
+
+
 def test_model_pow2_scale():
     """x 2^-e lands in [0.5, 1); exponents clamp at +-100; 0, negatives, inf and NaN get 1."""
     x = torch.tensor([1.0, 0.75, 3.0, 2.0 ** -120, 0.0, -2.0, math.inf, math.nan])
@@ -348,12 +380,12 @@ def test_deterministic_and_nan_stays_in_its_segment(impl, dtype, monkeypatch):
 
 @cuda_test
 @pytest.mark.parametrize("impl, dtype, want_tc", [
-    ("tc", "bfloat16", True), ("simt", "bfloat16", False), ("", "bfloat16", True),
-    ("tc", "float32", True), ("simt", "float32", False), ("", "float32", False),
+    ("tc", "bfloat16", True), ("simt", "bfloat16", False), ("", "bfloat16", DEFAULT_KERNELS["bfloat16"] == "tc"),
+    ("tc", "float32", True), ("simt", "float32", False), ("", "float32", DEFAULT_KERNELS["float32"] == "tc"),
 ], ids=["tc-bfloat16", "simt-bfloat16", "unset-bfloat16", "tc-float32", "simt-float32", "unset-float32"])
 def test_implementation_switch_picks_the_kernels(impl, dtype, want_tc, monkeypatch):
     """At D=30, m=102: tc runs the tensor-core kernels (float32 as 3xTF32), simt does not;
-    unset, bf16 takes the tensor cores and float32 the SIMT kernels."""
+    unset, each dtype runs its default (DEFAULT_KERNELS)."""
     if impl:
         monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
     else:

@@ -4,12 +4,11 @@
 // scratch from the caching allocator, and the torch-free launchers on the
 // current stream of q's device.
 //
-// Kernels (NT_KERNELS_PERFORMER, read at every call): unset, bfloat16 and
-// float16 run the tensor-core kernels when the shape fits them
-// (performer_tensor_cores_fit), float32 and other shapes the SIMT kernels;
-// "tc" also runs float32 on the tensor cores where the shape fits, as 3xTF32
-// products (fp32 accuracy, not yet the default: never run on a GPU); "simt"
-// forces the SIMT kernels for every dtype.
+// Kernels (NT_KERNELS_PERFORMER, read at every call; common/performer_choice.h):
+// unset, every dtype runs the SIMT kernels, the ones that passed on the H100;
+// "tc" runs the tensor-core kernels (bfloat16 / float16, float32 as 3xTF32)
+// where the shape fits them (performer_tensor_cores_fit) -- opt-in until a GPU
+// has passed them; "simt" forces the SIMT kernels.
 //
 // performer_*_into: segment ids and rowptr values are checked like the CPU
 // kernels check them (common/segment_table.h): an id out of range would read
@@ -26,9 +25,7 @@
 // it checked the table (the fused layer's plan, once per graph), so nothing is
 // checked or computed here beyond shapes: the Performer kernels are the only
 // launches, and the call can be captured into a CUDA graph.
-#include <cstdlib>
 #include <limits>
-#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -37,6 +34,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/performer_choice.h"
 #include "common/segment_table.h"
 #include "cuda/segment_performer_kernel.cuh"
 #include "ops/checks.h"
@@ -85,15 +83,12 @@ Tensor checked_offsets(const char* op, const Tensor& q, const Tensor& rowptr,
 
 // SIMT or tensor-core kernels for this call (see the file comment).
 cuda::PerformerImpl choose_impl(const char* op, at::ScalarType dtype, const PerformerProblem& p) {
-  const char* env = std::getenv("NT_KERNELS_PERFORMER");
-  const std::string mode = env != nullptr ? env : "";
-  TORCH_CHECK(mode.empty() || mode == "tc" || mode == "simt", op,
-              ": NT_KERNELS_PERFORMER must be 'tc' or 'simt', got '", mode, "'");
-  const bool fp32 = dtype == at::kFloat;
-  if (mode == "simt" || (fp32 && mode != "tc") ||
-      !cuda::performer_tensor_cores_fit(p, fp32 ? sizeof(float) : 2))
-    return cuda::PerformerImpl::Simt;
-  return cuda::PerformerImpl::TensorCore;
+  const size_t elem = dtype == at::kFloat ? sizeof(float) : 2;
+  const bool fits = cuda::performer_tensor_cores_fit(p, elem);
+  return choose_performer_kernels(op, dtype, performer_kernels_mode(), fits) ==
+                 PerformerKernels::TensorCore
+             ? cuda::PerformerImpl::TensorCore
+             : cuda::PerformerImpl::Simt;
 }
 
 // rp, seg and the chunk offsets are contiguous and must outlive the launches:

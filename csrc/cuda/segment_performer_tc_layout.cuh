@@ -2,8 +2,11 @@
 // tensor-core Performer kernels, shared by the host (launch sizes, support
 // check) and the device (pointers).  D and m are padded to multiples of the
 // 16-wide fragments here only: global tensors and scratch keep D, D + 1 and m.
+// Every size the kernels divide by is resolved here, on the host (tc_dims):
+// the kernels use compile-time constants, shifts and row-wise loops only.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include <cuda_runtime.h>
 
@@ -15,27 +18,33 @@ namespace performer_tc {
 
 constexpr int TC_THREADS = 256;                       // threads per block of every TC kernel
 constexpr int TC_WARPS = TC_THREADS / 32;
-constexpr int FRAG = 16;                              // WMMA m16n16k16
+constexpr int FRAG = 16;                              // 16 x 16 tiles (two mma.sync m16n8 halves)
 constexpr int TC_ROWS = 32;                           // rows per row tile (two fragment rows)
+constexpr int TC_ROW_FRAGS = TC_ROWS / FRAG;          // fragment rows of a row tile
 constexpr int TC_ROW_THREADS = TC_THREADS / TC_ROWS;  // threads sharing one row in row-wise steps
-// Register-resident accumulator tiles per warp: two kernel variants, the small one
-// (fewer registers, two blocks per SM) for (m x (D+1)) sums of at most 32 tiles.
-constexpr int TC_ACC_SMALL = 4;
+constexpr int TC_VEC = 16;                            // bytes of one cp.async / vector access
+// Register-resident accumulator tiles per warp: three kernel variants for the
+// (m x (D+1)) sums of at most 16, 32 and 64 tiles (see tc_min_blocks for the
+// register caps they compile under).
+constexpr int TC_ACC_SMALL = 2;
+constexpr int TC_ACC_MEDIUM = 4;
 constexpr int TC_ACC_LARGE = 8;
 constexpr int SKEW_T = 8;    // operand elements added to each shared row (bank spread; keeps 32-byte tiles)
-constexpr int SKEW_F = 4;    // floats added to each fp32 shared row
+constexpr int SKEW_F = 8;    // floats added to each fp32 shared row (fragment stores, row-wise reads: no conflict)
 constexpr int REGION_ALIGN = 128;
 constexpr int TC_ROW_ARRAYS = 6;  // per-row floats: diag, row max, den, lambda, sum t, t scale
 
-static_assert(TC_ROWS % FRAG == 0, "row tiles are whole fragments");
-static_assert(TC_THREADS % TC_ROWS == 0 && (TC_ROW_THREADS & (TC_ROW_THREADS - 1)) == 0,
-              "row-wise steps use a power-of-two group of lanes per row");
+static_assert(TC_ROWS == 2 * FRAG, "row-tile GEMMs map warp w to fragment row w & 1");
+static_assert(TC_WARPS == 8 && TC_ROW_THREADS == 8,
+              "row-wise steps: thread t owns row t >> 3, lane t & 7; accumulator walks pack 8 warps");
 
 enum TcKernel : int { TC_KEYS = 0, TC_QUERIES_FWD = 1, TC_QUERIES_BWD = 2, TC_KEY_GRAD = 3 };
 
 __host__ __device__ constexpr int round_frag(int n) { return (n + FRAG - 1) / FRAG * FRAG; }
 
-// Padded sizes and leading dimensions (elements) of one problem.
+// Padded sizes and leading dimensions (elements) of one problem, and the
+// walk of each warp over the register-resident accumulator tiles; built on
+// the host by tc_dims, passed to the kernels by value.
 struct TcDims {
   int dim;     // D
   int m;       // features
@@ -43,10 +52,23 @@ struct TcDims {
   int dh;      // D + 1 padded: v' = (v, 1), W', h', C'
   int mp;      // m padded
   int ld_x, ld_h, ld_e;  // operand tiles (bf16 / fp16, or fp32 split into TF32 pairs): rows of q/k/P, v'/W'/h'/C', features
-  int ld_u, ld_o, ld_acc;  // fp32 tiles: rows x m products, rows x D outputs, m x (D+1) staging
+  int ld_u, ld_o;  // fp32 tiles: rows x m products; rows x (D+1) outputs and column sums
+  int raw_ld;  // elements of one row of the raw staging buffer (a multiple of TC_VEC bytes)
+  // Accumulator tiles (mp/16 x dh/16, tile t = ti * acc_nt + tj): warp w owns
+  // t = w, w + 8, ...; its first (ti, tj) is 4 bits each at bit 4w of
+  // acc_ti0 / acc_tj0, and each step of 8 tiles adds (acc_dti, acc_dtj) with a carry.
+  int acc_nt, acc_tiles, acc_dti, acc_dtj;
+  unsigned acc_ti0, acc_tj0;
 };
 
-__host__ __device__ inline TcDims tc_dims(int dim, int m) {
+// Raw staging row: the 16-byte vectors that cover D elements starting at any
+// element-aligned address (the row start rounded down to 16 bytes).
+__host__ __device__ constexpr int raw_row_elems(int dim, int elem) {
+  return (dim * elem + (TC_VEC - elem) + TC_VEC - 1) / TC_VEC * TC_VEC / elem;
+}
+
+// Host only: the divisions by run-time sizes happen here.
+inline TcDims tc_dims(int dim, int m, size_t elem) {
   TcDims d;
   d.dim = dim;
   d.m = m;
@@ -58,24 +80,31 @@ __host__ __device__ inline TcDims tc_dims(int dim, int m) {
   d.ld_e = d.mp + SKEW_T;
   d.ld_u = d.mp + SKEW_F;
   d.ld_o = d.dh + SKEW_F;  // dh >= dp
-  d.ld_acc = d.dh + SKEW_F;
+  d.raw_ld = raw_row_elems(dim, (int)elem);
+  d.acc_nt = d.dh / FRAG;
+  d.acc_tiles = (d.mp / FRAG) * d.acc_nt;
+  d.acc_dti = TC_WARPS / d.acc_nt;
+  d.acc_dtj = TC_WARPS % d.acc_nt;
+  d.acc_ti0 = d.acc_tj0 = 0;
+  for (int w = 0; w < TC_WARPS; ++w) {
+    d.acc_ti0 |= (unsigned)(w / d.acc_nt) << (4 * w);
+    d.acc_tj0 |= (unsigned)(w % d.acc_nt) << (4 * w);
+  }
   return d;
 }
 
 // Register-resident accumulators: the (mp x dh) key sums / gradient sums per block.
-__host__ __device__ inline int tc_acc_tiles(const TcDims& d) { return (d.mp / FRAG) * (d.dh / FRAG); }
-__host__ __device__ inline bool tc_accumulators_fit(const TcDims& d) {
-  return tc_acc_tiles(d) <= TC_WARPS * TC_ACC_LARGE;
-}
+inline bool tc_accumulators_fit(const TcDims& d) { return d.acc_tiles <= TC_WARPS * TC_ACC_LARGE; }
 // The accumulator variant (tiles per warp) a problem runs with.
-__host__ __device__ inline int tc_acc_variant(const TcDims& d) {
-  return tc_acc_tiles(d) <= TC_WARPS * TC_ACC_SMALL ? TC_ACC_SMALL : TC_ACC_LARGE;
+inline int tc_acc_variant(const TcDims& d) {
+  if (d.acc_tiles <= TC_WARPS * TC_ACC_SMALL) return TC_ACC_SMALL;
+  return d.acc_tiles <= TC_WARPS * TC_ACC_MEDIUM ? TC_ACC_MEDIUM : TC_ACC_LARGE;
 }
 
 // Byte offsets of the shared-memory regions of one kernel (unused ones empty);
 // `elem` is the bytes of one staged operand element (2: bf16 / fp16, 4: fp32).
 struct TcLayout {
-  size_t ps, ws, xs, hs, es, f, rows, red, flag, total;
+  size_t ps, ws, xs, hs, es, f, raw, rows, red, flag, total;
 };
 
 __host__ __device__ inline size_t take(size_t& off, size_t bytes) {
@@ -84,18 +113,21 @@ __host__ __device__ inline size_t take(size_t& off, size_t bytes) {
   return at;
 }
 
+// Raw staging buffers (TC_ROWS x raw_ld each): x, and y for every kernel but the query forward.
+__host__ __device__ inline int tc_raw_tensors(int kernel) { return kernel == TC_QUERIES_FWD ? 1 : 2; }
+
+__host__ __device__ inline size_t tc_floats(const TcDims& d, int kernel) {
+  const size_t u = (size_t)TC_ROWS * d.ld_u, o = (size_t)TC_ROWS * d.ld_o;
+  switch (kernel) {
+    case TC_KEYS: return u + (size_t)FRAG * d.ld_o;  // u, the column sums of v' (FRAG x dh)
+    case TC_QUERIES_FWD: return u + o;               // u / e, o'
+    default: return 2 * u + o;                       // u / e, dP, o'
+  }
+}
+
 __host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel, size_t elem) {
   const size_t h = elem;
   const bool matrix = kernel != TC_KEYS;  // W' or C' staged
-  // fp32 tiles: u/e (+ dP) and the output tile; the keys' and the query
-  // backward's epilogue reuse them for the (mp x D+1) accumulator staging.
-  size_t floats = (size_t)TC_ROWS * d.ld_u;
-  if (kernel == TC_QUERIES_BWD || kernel == TC_KEY_GRAD) floats += (size_t)TC_ROWS * d.ld_u;
-  if (kernel != TC_KEYS) floats += (size_t)TC_ROWS * d.ld_o;
-  if (kernel == TC_KEYS || kernel == TC_QUERIES_BWD) {
-    const size_t staging = (size_t)d.mp * d.ld_acc;
-    floats = floats > staging ? floats : staging;
-  }
   TcLayout l;
   size_t off = 0;
   l.ps = take(off, h * d.mp * d.ld_x);
@@ -103,7 +135,8 @@ __host__ __device__ inline TcLayout tc_layout(const TcDims& d, int kernel, size_
   l.xs = take(off, h * TC_ROWS * d.ld_x);
   l.hs = take(off, kernel == TC_QUERIES_FWD ? 0 : h * TC_ROWS * d.ld_h);
   l.es = take(off, h * TC_ROWS * d.ld_e);
-  l.f = take(off, sizeof(float) * floats);
+  l.f = take(off, sizeof(float) * tc_floats(d, kernel));
+  l.raw = take(off, h * tc_raw_tensors(kernel) * TC_ROWS * d.raw_ld);
   l.rows = take(off, sizeof(float) * TC_ROW_ARRAYS * TC_ROWS);
   l.red = take(off, sizeof(float) * TC_WARPS);
   l.flag = take(off, sizeof(int));
@@ -150,7 +183,7 @@ inline TcScratch tc_scratch_layout(const PerformerProblem& p, bool backward) {
 // See performer_tensor_cores_fit.
 inline bool tc_fit(const PerformerProblem& p, size_t elem) {
   if (p.dim < 1 || p.features < 1) return false;
-  const TcDims d = tc_dims(p.dim, p.features);
+  const TcDims d = tc_dims(p.dim, p.features, elem);
   return tc_accumulators_fit(d) && tc_smem_bytes(d, elem) <= p.smem_optin;
 }
 

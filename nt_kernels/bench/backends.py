@@ -5,8 +5,9 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
 * ``fused`` — ours, :func:`nt_kernels.neighbourhood_attention` on a
   :class:`NeighbourhoodCSR` whose segment split is built before timing;
 * ``performer-simt`` — the same with the CUDA Performer path forced onto its
-  SIMT kernels (``NT_KERNELS_PERFORMER=simt``), so that one run measures the
-  tensor-core kernels against them (CUDA only);
+  SIMT kernels (``NT_KERNELS_PERFORMER=simt``), so that one run under
+  ``NT_KERNELS_PERFORMER=tc`` measures the (opt-in) tensor-core kernels
+  against them (CUDA only);
 * ``reference`` — the per-segment loop of :mod:`nt_reference.ops` (small graphs);
 * the paper's strategies from :mod:`nt_kernels.baselines.strategies`: ``parallel``
   (one padded batch, exact attention everywhere), ``by-size`` (size split at the

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import INTERPRET, cast, mm
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles
 
-__all__ = ["BLOCK_K", "gelu", "gelu_grad", "gemm_configs", "mix32", "prologue", "rows_gemm"]
+__all__ = ["BLOCK_K", "du_and_centre", "fused_centre", "gelu", "gelu_grad", "gemm_configs", "mix32", "prologue",
+           "rows_gemm"]
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -127,8 +129,8 @@ def _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_ro
 
 @triton.jit(do_not_specialize=["row0", "R", "PART", "seed_word", "threshold"])
 def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receiver, perm, seg_of_row,
-                     qkv, z_out, jac_out, row0, R, PART, C, F, seed_word, threshold, drop_scale,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                     qkv, z_out, jac_out, row0, R, PART, seed_word, threshold, drop_scale, C: tl.constexpr,
+                     F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
                      STORE_Z: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels (q, k, v: PART rows apart).
@@ -146,10 +148,10 @@ def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receive
     if DROPOUT:
         scale = tl.where(dropout_keep(grow, ch, seed_word, threshold), drop_scale, 0.0)
     z = cast(gelu(u) * scale, w_qkv.dtype.element_ty, BF16_EMU)
-    if STORE_Z:  # the backward's run: z (for the w_qkv gradient) and dz/du
+    if STORE_Z:  # the backward's run: z (for the w_qkv gradient) and dz/du, both in the parameters' type
         offs = r[:, None].to(tl.int64) * C + ch[None, :]
         tl.store(z_out + offs, z, mask=mask)
-        tl.store(jac_out + offs, gelu_grad(u) * scale, mask=mask)
+        tl.store(jac_out + offs, cast(gelu_grad(u) * scale, jac_out.dtype.element_ty, BF16_EMU), mask=mask)
     # Step 4: per part (q, k, v) and block of BLOCK_N columns: z · w_qkv[part C + n]ᵀ + b_qkv, stored in place.
     for part in range(3):
         for n0 in range(0, C, BLOCK_N):
@@ -190,8 +192,89 @@ def _rows_gemm_kernel(a, w, bias, mul, out, R, K, N, A_SPLIT, A_PART, A_ROW, W_K
     if HAS_BIAS:
         acc += tl.load(bias + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     if HAS_MUL:
-        acc *= tl.load(mul + offs, mask=mask, other=0.0)
+        acc *= tl.load(mul + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + offs, cast(acc, out.dtype.element_ty, BF16_EMU), mask=mask)
+
+
+@triton.jit
+def _tile_segment_sums(x, seg_of_row, rowptr, d_centre, part, r, valid, n, n_valid, seg0, C: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BF16_EMU: tl.constexpr):
+    """Per-segment column sums of a tile's rows x (BLOCK_R rows in packed order, fp32): a segment whole
+    in the tile adds its sum to d_centre (its only writer); the tile's first and last segments, where
+    they cross the tile's edges, store their partial sums in the tile's scratch slots 0 and 1."""
+    # Local segment of each row: the count of segment starts before it in the tile (empty segments skipped).
+    tile0 = tl.program_id(0) * BLOCK_R
+    seg = tl.load(seg_of_row + r, mask=valid, other=-1)
+    prev = tl.load(seg_of_row + r - 1, mask=valid & (r > tile0), other=-1)
+    local = tl.cumsum((valid & (r > tile0) & (seg != prev)).to(tl.int32), axis=0)
+    slot = tl.arange(0, BLOCK_R)
+    onehot = (slot[:, None] == local[None, :]) & valid[None, :]
+    sums = mm(onehot.to(tl.float32), x, "ieee", BF16_EMU)  # exact 0/1 weights, fp32 sums
+    owner = tl.max(tl.where(onehot, seg[None, :], -1), axis=1)
+    used = owner >= 0
+    local_seg = tl.where(used, owner - seg0, 0)
+    first = tl.load(rowptr + local_seg, mask=used, other=0)
+    end = tl.load(rowptr + local_seg + 1, mask=used, other=0)
+    whole = used & (first >= tile0) & (end <= tile0 + BLOCK_R)
+    offs = local_seg[:, None].to(tl.int64) * C + n[None, :]
+    mask = whole[:, None] & n_valid[None, :]
+    tl.store(d_centre + offs, tl.load(d_centre + offs, mask=mask, other=0.0) + sums, mask=mask)
+    # At most two crossing segments: local 0 (slot 0) and the last one (slot 1).
+    cross = used & (first < end) & ~whole
+    scratch = (tl.program_id(0).to(tl.int64) * 2 + tl.minimum(slot, 1))[:, None] * C + n[None, :]
+    tl.store(part + scratch, sums, mask=cross[:, None] & n_valid[None, :])
+
+
+@triton.jit(do_not_specialize=["R", "PART", "seg0"], do_not_specialize_on_alignment=["d_centre"])
+def _du_kernel(dqkv, w_qkv, jac, seg_of_row, rowptr, du, d_centre, part, R, PART, seg0, C: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, CENTRE: tl.constexpr,
+               DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    # Step 1: du = (dqkv · w_qkv) · dz/du for BLOCK_R rows and every channel, the (3, PART, C) gradient (rows
+    # < R used) read as one (R, 3C) operand in fixed BLOCK_K steps (as _rows_gemm_kernel), stored in du's type.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = r < R
+    n = tl.arange(0, BLOCK_C)
+    n_valid = n < C
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for k0 in range(0, 3 * C, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_valid = kk < 3 * C
+        qkv_part = kk // C
+        offs = (qkv_part[None, :].to(tl.int64) * PART + r[:, None]) * C + (kk - qkv_part * C)[None, :]
+        x = tl.load(dqkv + offs, mask=valid[:, None] & k_valid[None, :], other=0.0)
+        w = tl.load(w_qkv + kk[:, None] * C + n[None, :], mask=k_valid[:, None] & n_valid[None, :], other=0.0)
+        acc += mm(cast(x, w.dtype, BF16_EMU), w, DOT_PREC, BF16_EMU)
+    mask = valid[:, None] & n_valid[None, :]
+    offs = r[:, None].to(tl.int64) * C + n[None, :]
+    acc *= tl.load(jac + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(du + offs, cast(acc, du.dtype.element_ty, BF16_EMU), mask=mask)
+    # Step 2 (CENTRE): d_centre from the same tile, so du is not read back for it.
+    if CENTRE:
+        _tile_segment_sums(acc, seg_of_row, rowptr, d_centre, part, r, valid, n, n_valid, seg0, C, BLOCK_R,
+                           BF16_EMU)
+
+
+@triton.jit(do_not_specialize_on_alignment=["d_centre"])
+def _centre_fixup_kernel(rowptr, part, d_centre, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
+    # Segment s of the chunk, if it crosses a tile edge of _du_kernel: the partial sums of its tiles in tile
+    # order (BLOCK_T at a time, each block a fixed tree), added to d_centre[s].
+    s = tl.program_id(0)
+    first = tl.load(rowptr + s)
+    end = tl.load(rowptr + s + 1)
+    t0 = first // BLOCK_R
+    t1 = (end - 1) // BLOCK_R
+    if (end > first) & (t1 > t0):
+        n = tl.arange(0, BLOCK_C)
+        n_valid = n < C
+        total = tl.zeros([BLOCK_C], tl.float32)
+        for tb in range(t0, t1 + 1, BLOCK_T):
+            t = tb + tl.arange(0, BLOCK_T)
+            slot = ((t == t0) & (first > t0 * BLOCK_R)).to(tl.int64)  # a later segment of its first tile: slot 1
+            offs = (t.to(tl.int64) * 2 + slot)[:, None] * C + n[None, :]
+            total += tl.sum(tl.load(part + offs, mask=(t <= t1)[:, None] & n_valid[None, :], other=0.0), axis=0)
+        offs = s.to(tl.int64) * C + n
+        tl.store(d_centre + offs, tl.load(d_centre + offs, mask=n_valid, other=0.0) + total, mask=n_valid)
 
 
 def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
@@ -199,13 +282,13 @@ def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
     rows, c = chunk.rows, p.channels
     if rows == 0:
         return
-    t = prologue_tiles(c, p.edge_dim)
+    t = prologue_tiles(c, p.edge_dim, p.w_qkv.element_size())
     store = z_out is not None
     edge = p.edge_attr is not None
     _prologue_kernel[(triton.cdiv(rows, t.block_r),)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre,
         p.w_qkv, p.b_qkv, p.receiver, p.perm, seg_of_row, qkv, z_out if store else qkv, jac_out if store else qkv,
-        chunk.row0, rows, qkv.shape[1], c, p.edge_dim, p.seed_word, p.drop_threshold, p.drop_scale,
+        chunk.row0, rows, qkv.shape[1], p.seed_word, p.drop_threshold, p.drop_scale, C=c, F=p.edge_dim,
         BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
         DROPOUT=p.dropout > 0, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
         num_stages=t.num_stages)
@@ -223,3 +306,33 @@ def rows_gemm(out, a, w, *, rows, k, n, a_split, a_part, a_row, w_k, w_n, bias=N
                             HAS_BIAS=bias is not None, HAS_MUL=mul is not None, DOT_PREC=dot_prec,
                             BF16_EMU=bf16_emu)
     return out
+
+
+DU_ROWS = 32          # rows per program of _du_kernel (fixed: the d_centre partial sums follow these tiles)
+DU_MAX_CHANNELS = 64  # widest C whose du rows one program holds whole (wider: row GEMM + segment reduction;
+                      # ptxas, sm_90: the C = 128 tile with its segment sums spills)
+FIXUP_TILES = 64      # tiles' partial sums per step of the fix-up
+
+
+def fused_centre(channels: int) -> bool:
+    """Whether du and d_centre come from one kernel (_du_kernel) for C = ``channels``."""
+    return channels <= DU_MAX_CHANNELS
+
+
+def du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre):
+    """du (rows, C) = (dqkv · w_qkv) · dz/du for ``chunk`` and, when ``d_centre`` (the chunk's segments'
+    rows of the fp32 accumulator) is given, d_centre += per-segment sums of du; requires
+    ``fused_centre(C)``."""
+    rows, c = chunk.rows, p.channels
+    if rows == 0:
+        return
+    tiles = triton.cdiv(rows, DU_ROWS)
+    centre = d_centre is not None
+    part = torch.empty((tiles, 2, c) if centre else (1,), dtype=torch.float32, device=du.device)
+    _du_kernel[(tiles,)](dqkv, p.w_qkv, jac, seg_of_row, chunk.rowptr, du, d_centre if centre else du, part, rows,
+                         dqkv.shape[1], chunk.seg0, C=c, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_K=BLOCK_K,
+                         CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=4, num_stages=2)
+    if centre and chunk.seg1 > chunk.seg0:
+        _centre_fixup_kernel[(chunk.seg1 - chunk.seg0,)](chunk.rowptr, part, d_centre, C=c, BLOCK_R=DU_ROWS,
+                                                         BLOCK_T=FIXUP_TILES, BLOCK_C=block_n(c, DU_MAX_CHANNELS),
+                                                         num_warps=4, num_stages=1)

@@ -12,20 +12,23 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
    merged into per-receiver running state in chunk order; ``out``, ``stats``
    are finished from that state at the end.
 
-The backward recomputes 1-3 per chunk, gets dy from the saved (out, stats,
-lse) (ntconv_grad.py), then do = dy · w_out, the attention backward, and
-du = (dqkv · w_qkv) · dz/du; weight and bias gradients are split-K tensor-core
-reductions over fixed row blocks (ntconv_wgrad.py) added to fp32 accumulators
-in chunk order, d_centre a per-segment sum, d_receiver_term a receiver
-reduction like the forward's.  No float atomics anywhere.
+The backward recomputes 1-3 per chunk, gets dy and do = dy · w_out from the
+saved (out, stats, lse) in one kernel (ntconv_grad.py), then the attention
+backward, and du = (dqkv · w_qkv) · dz/du with d_centre (per-segment sums of
+the same tiles, ntconv_gemm._du_kernel); weight and bias gradients are split-K
+tensor-core reductions over fixed row blocks (ntconv_wgrad.py) added to fp32
+accumulators in chunk order, d_receiver_term a receiver reduction like the
+forward's.  No float atomics anywhere.
 
 Dtypes (as the CPU op): node terms and edge features in one dtype, the
 parameters in another (autocast casts only the parameters), each float32,
 bfloat16 or float16; q, k, v, o and ``out`` are in the parameters' dtype, the
 per-message GEMMs and the weight gradients run on that dtype's tensor cores
 with fp32 accumulation (fp32 at full precision unless
-``torch.backends.cuda.matmul.allow_tf32``), and everything else (GELU,
-dropout, gates, reductions, the gradient accumulators) is fp32.
+``torch.backends.cuda.matmul.allow_tf32``).  The per-row intermediates y, dz/du,
+dy and du are stored in the parameters' dtype too (the autocast dtype under
+autocast: half the bytes of fp32); the arithmetic on them (GELU, dropout, gates, reductions, the
+gradient accumulators) is fp32.
 
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
@@ -41,9 +44,9 @@ import torch
 from torch.library import register_kernel
 
 from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
-from nt_kernels.backends.triton.ntconv_gemm import prologue, rows_gemm
+from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, prologue, rows_gemm
 from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
-                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, message_grad)
+                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, grad_tiles, message_grad)
 from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, State, gate_values,
                                                       receive, segment_softmax, segment_sum)
 from nt_kernels.backends.triton.ntconv_wgrad import weight_grad
@@ -108,17 +111,17 @@ def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
 
 
 def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
-    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du); z (in the parameters' dtype) and dz/du
-    (fp32) only in the backward."""
+    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du), every per-row buffer in the parameters'
+    dtype (the autocast dtype under autocast); z and dz/du only in the backward."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
     qkv = qkv_buffer(p, chunk, p.dtype)
     z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
-    jac = torch.empty((rows, p.channels), dtype=torch.float32, device=p.device) if backward else None
+    jac = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
     q, k, v = qkv[:, :rows].unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
     _attention_fwd(p, chunk, o, lse, q, k, v)
-    y = torch.empty((rows, p.out_channels), dtype=torch.float32, device=p.device)
+    y = torch.empty((rows, p.out_channels), dtype=p.dtype, device=p.device)
     c = p.channels
     rows_gemm(y, o, p.w_out, rows=rows, k=c, n=p.out_channels, a_split=c, a_part=0, a_row=c, w_k=1, w_n=c,
               bias=p.b_out, dot_prec=prec, bf16_emu=emu)
@@ -177,21 +180,29 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     return out, lse, stats
 
 
-def _message_grad(p: Problem, chunk, y, seg_of_row, saved: Saved):
-    """dy (rows, C_out) for one chunk."""
+def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
+    """(dy (rows, C_out), do (rows, C)) for one chunk, both in the parameters' dtype: do = dy · w_out
+    fused into the message gradient (ntconv_grad.py) where a row's heads fit, else a row GEMM."""
     dy = torch.empty_like(y)
+    do = torch.empty_like(o)
+    fuse = grad_tiles(p.heads, p.head_dim).fuse_do
+    grad_do = do if fuse else None
     if p.aggr == "weighted_mean" and p.gate_group == "centre":
         gate = _gates(p, chunk, y, seg_of_row)
         wa = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device)
         message_grad(dy, y, GRAD_CENTRE_A, p, chunk, saved, seg_of_row, gate=gate, wa=wa)
         seg_sum = torch.zeros((chunk.seg1 - chunk.seg0, p.heads), dtype=torch.float32, device=p.device)
         segment_sum(seg_sum, wa, chunk, p.heads)
-        message_grad(dy, y, GRAD_CENTRE_B, p, chunk, saved, seg_of_row, gate=gate, seg_sum=seg_sum)
-        return dy
-    mode = {"sum": GRAD_SUM, "mean": GRAD_MEAN, "max": GRAD_MAX, "gated_sum": GRAD_GATED_SUM,
-            "weighted_mean": GRAD_SOFTMAX}[p.aggr]
-    message_grad(dy, y, mode, p, chunk, saved, seg_of_row)
-    return dy
+        message_grad(dy, y, GRAD_CENTRE_B, p, chunk, saved, seg_of_row, do=grad_do, gate=gate, seg_sum=seg_sum)
+    else:
+        mode = {"sum": GRAD_SUM, "mean": GRAD_MEAN, "max": GRAD_MAX, "gated_sum": GRAD_GATED_SUM,
+                "weighted_mean": GRAD_SOFTMAX}[p.aggr]
+        message_grad(dy, y, mode, p, chunk, saved, seg_of_row, do=grad_do)
+    if not fuse:
+        c_out = p.out_channels
+        rows_gemm(do, dy, p.w_out, rows=chunk.rows, k=c_out, n=p.channels, a_split=c_out, a_part=0, a_row=c_out,
+                  w_k=p.channels, w_n=1, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+    return dy, do
 
 
 def _accumulators(shapes: dict, device, flat: bool) -> dict:
@@ -235,14 +246,23 @@ def _weight_grad(p: Problem, w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part,
                 dtype=p.dtype, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu, index=index, row0=row0)
 
 
-def _input_grads(p: Problem, chunk, g: Grads, du, z, dqkv) -> None:
-    """Weight gradients of the prologue and the input gradients from du for one chunk."""
+def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
+    """Weight gradients of the prologue and the input gradients for one chunk: du = (dqkv · w_qkv) · dz/du
+    in the parameters' dtype with d_centre from the same kernel (ntconv_gemm._du_kernel; a row GEMM and a
+    segment reduction for C > DU_MAX_CHANNELS), then d_receiver_term and the edge gradients from du."""
     c, rows = p.channels, chunk.rows
     # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
     _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c,
                  b_row=c)
-    if g.centre is not None:
-        segment_sum(g.centre[chunk.seg0:], du, chunk, c)
+    du = torch.empty((rows, c), dtype=p.dtype, device=p.device)
+    d_centre = None if g.centre is None else g.centre[chunk.seg0:]
+    if fused_centre(c):
+        du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre)
+    else:
+        rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c,
+                  w_k=c, w_n=1, mul=jac, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+        if d_centre is not None:
+            segment_sum(d_centre, du, chunk, c)
     if g.receiver is not None:
         receive(g.receiver, du, chunk, channels=c, heads=p.heads, row=c, mode=AGG_SUM, apply_gelu=False)
     if p.edge_attr is not None:
@@ -258,26 +278,20 @@ def _input_grads(p: Problem, chunk, g: Grads, du, z, dqkv) -> None:
 
 
 def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
-    rows, c, prec, emu = chunk.rows, p.channels, p.dot_prec, p.bf16_emu
+    rows, c = chunk.rows, p.channels
     seg_of_row = segment_of_rows(chunk)
     # lse rows of Performer segments are never read; zeros where a row may belong to no list.
     lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
     # Recompute steps 1-3, then dy from the saved state.
     y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True)
-    dy = _message_grad(p, chunk, y, seg_of_row, saved)
-    # Output projection: dW_out += dyᵀ o and db_out, then do = dy · w_out.
+    # dy and do = dy · w_out from the saved state, then the output projection's dW_out += dyᵀ o and db_out.
+    dy, do = _message_grad(p, chunk, y, o, seg_of_row, saved)
     c_out = p.out_channels
     _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
-    do = torch.empty_like(o)
-    rows_gemm(do, dy, p.w_out, rows=rows, k=p.out_channels, n=c, a_split=p.out_channels, a_part=0,
-              a_row=p.out_channels, w_k=c, w_n=1, dot_prec=prec, bf16_emu=emu)
-    # Attention backward, then du = (dqkv · w_qkv) · dz/du.
+    # Attention backward, then the prologue's gradients.
     dqkv = qkv_buffer(p, chunk, p.dtype, fill=not p.plan.rows_covered)
     _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse)
-    du = torch.empty((rows, c), dtype=torch.float32, device=p.device)
-    rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c, w_k=c,
-              w_n=1, mul=jac, dot_prec=prec, bf16_emu=emu)
-    _input_grads(p, chunk, g, du, z, dqkv)
+    _input_grads(p, chunk, g, dqkv, z, jac, seg_of_row)
 
 
 def ntconv_bwd(grad_out, out, lse, stats, centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out,

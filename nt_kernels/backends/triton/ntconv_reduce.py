@@ -78,7 +78,7 @@ def _gate_kernel(y, gate, R, H, D, C_OUT, SIGMOID: tl.constexpr, BLOCK_E: tl.con
     d = tl.arange(0, BLOCK_D)
     mask = (r < R)[:, None, None] & (h < H)[None, :, None] & (d < D)[None, None, :]
     offs = r[:, None, None].to(tl.int64) * C_OUT + (h * 2 * D)[None, :, None] + d[None, None, :]
-    gamma = tl.sum(gelu(tl.load(y + offs, mask=mask, other=0.0)), axis=2) / D
+    gamma = tl.sum(gelu(tl.load(y + offs, mask=mask, other=0.0).to(tl.float32)), axis=2) / D
     if SIGMOID:
         gamma = tl.sigmoid(gamma)
     tl.store(gate + r[:, None].to(tl.int64) * H + h[None, :], gamma, mask=(r < R)[:, None] & (h < H)[None, :])

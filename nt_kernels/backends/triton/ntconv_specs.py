@@ -47,30 +47,40 @@ def launches(spec: Spec) -> list[tuple[object, dict, dict]]:
 def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
     """The prologue and the weight-gradient kernels at the tiles the plan picks for LAYER_SHAPES."""
     prologue = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, b_qkv=t, receiver="*i64", perm="*i64",
-                    seg_of_row="*i64", qkv=t, z_out=t, jac_out="*fp32", row0="i32", R="i32", PART="i32", C="i32",
-                    F="i32", seed_word="i32", threshold="i32", drop_scale="fp32")
-    wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", M="i32", N="i32", A_SPLIT="i32", A_PART="i32",
-                 A_ROW="i32", B_ROW="i32", row0="i32")
+                    seg_of_row="*i64", qkv=t, z_out=t, jac_out=t, row0="i32", R="i32", PART="i32", seed_word="i32",
+                    threshold="i32", drop_scale="fp32")
+    wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", PART="i32", row0="i32")
     dot = dict(base, DOT_DTYPE=ntconv_wgrad.TL_DTYPES[getattr(torch, TORCH_TYPES[dtype])])
     specs = []
     for c, f, c_out in LAYER_SHAPES:
-        tiles = prologue_tiles(c, f)
+        tiles = prologue_tiles(c, f, 4 if dtype == "fp32" else 2)
         specs += [Spec(f"prologue{'_bwd' if store else ''} C{c} F{f}", ntconv_gemm._prologue_kernel, prologue,
-                       dict(base, BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c, BLOCK_N=tiles.block_n,
+                       dict(base, C=c, F=f, BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c, BLOCK_N=tiles.block_n,
                             BLOCK_F=tiles.block_f, HAS_EDGE=f > 0, DROPOUT=True, STORE_Z=store),
                        dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
                   for store in (False, True)]
-        uses = [("w_qkv", 3 * c, c, dict(wgrad, a=t), True, False),          # A = dqkv, B = z
-                ("w_out", c_out, c, dict(wgrad, a="*fp32"), True, False),   # A = dy, B = o
-                ("w_edge", c, f, dict(wgrad, a="*fp32"), False, True)]      # A = du, B = edge_attr[perm]
-        for name, m, n, types, bias, gather in uses:
+        # (name, parts, rows of a part, N, bias, gather): A = dqkv, B = z; A = dy, B = o; A = du, B = edge_attr[perm]
+        uses = [("w_qkv", 3, c, c, True, False), ("w_out", 1, c_out, c, True, False), ("w_edge", 1, c, f, False, True)]
+        for name, parts, m, n, bias, gather in uses:
             if n == 0:
                 continue
-            w = weight_grad_tiles(1 << 20, m, n)
-            specs.append(Spec(f"weight_grad {name} C{c} F{f}", ntconv_wgrad._weight_grad_kernel, types,
-                              dict(dot, SPLIT_ROWS=w.split_rows, BLOCK_R=w.block_r, BLOCK_M=w.block_m,
-                                   BLOCK_N=w.block_n, HAS_BIAS=bias, GATHER=gather),
+            w = weight_grad_tiles(1 << 20, m, n, 4 if dtype == "fp32" else 2)
+            specs.append(Spec(f"weight_grad {name} C{c} F{f}", ntconv_wgrad._weight_grad_kernel, wgrad,
+                              dict(dot, M_PART=m, N=n, PARTS=parts, A_ROW=m, B_ROW=n, SPLIT_ROWS=w.split_rows,
+                                   BLOCK_R=w.block_r, BLOCK_M=w.block_m, BLOCK_N=w.block_n, HAS_BIAS=bias,
+                                   GATHER=gather, PART_ALIGN=ntconv_plan.PART_ROWS),
                               dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
+    for c in sorted({c for c, _, _ in LAYER_SHAPES if ntconv_gemm.fused_centre(c)}):
+        width = ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS)
+        specs += [Spec(f"du{' + d_centre' if centre else ''} C{c}", ntconv_gemm._du_kernel,
+                       dict(dqkv=t, w_qkv=t, jac=t, seg_of_row="*i64", rowptr="*i64", du=t, d_centre="*fp32",
+                            part="*fp32", R="i32", PART="i32", seg0="i32"),
+                       dict(base, C=c, BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=width, BLOCK_K=ntconv_gemm.BLOCK_K,
+                            CENTRE=centre), dict(num_warps=4, num_stages=2)) for centre in (False, True)]
+        specs.append(Spec(f"centre_fixup C{c}", ntconv_gemm._centre_fixup_kernel,
+                          dict(rowptr="*i64", part="*fp32", d_centre="*fp32"),
+                          dict(C=c, BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_T=ntconv_gemm.FIXUP_TILES, BLOCK_C=width),
+                          dict(num_warps=4, num_stages=1)))
     specs += [Spec(f"combine{' bias' if bias else ''}", ntconv_wgrad._combine_kernel,
                    dict(partials="*fp32", w_acc="*fp32", b_acc="*fp32", S="i32", M="i32", N="i32"),
                    dict(HAS_BIAS=bias, BLOCK_S=ntconv_wgrad.COMBINE_SPLITS, BLOCK=ntconv_wgrad.COMBINE_BLOCK),
@@ -82,27 +92,28 @@ def compile_specs(dtype: str) -> list[Spec]:
     """Specs for operand type ``dtype`` ("fp32", "bf16" or "fp16"): parameters, q/k/v and ``out`` in it."""
     t = "*" + dtype
     base = dict(DOT_PREC="ieee", BF16_EMU=False)
-    gemm = dict(a=t, w=t, bias=t, mul="*fp32", out="*fp32", R="i32", K="i32", N="i32", A_SPLIT="i32",
+    gemm = dict(a=t, w=t, bias=t, mul=t, out=t, R="i32", K="i32", N="i32", A_SPLIT="i32",
                 A_PART="i32", A_ROW="i32", W_K="i32", W_N="i32")
-    grad = dict(y="*fp32", g_out=t, out=t, stats="*fp32", keys="*fp32", recv_rowptr="*i64", gate="*fp32",
-                seg_sum="*fp32", seg_of_row="*i64", receiver="*i64", dy="*fp32", wa="*fp32", row0="i32", seg0="i32",
-                R="i32", H="i32", D="i32")
+    grad = dict(y=t, g_out=t, out=t, stats="*fp32", keys="*fp32", recv_rowptr="*i64", gate="*fp32", seg_sum="*fp32",
+                seg_of_row="*i64", receiver="*i64", w_out=t, dy=t, do=t, wa="*fp32", row0="i32", seg0="i32", R="i32")
     gemm_k = dict(base, BLOCK_N=128, BLOCK_K=ntconv_gemm.BLOCK_K)
     specs = _plan_specs(dtype, t, base)
     specs += [Spec("gemm_y", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=True, HAS_MUL=False)),
-              Spec("gemm_do", ntconv_gemm._rows_gemm_kernel, dict(gemm, a="*fp32", out=t),
-                   dict(gemm_k, HAS_BIAS=False, HAS_MUL=False)),
+              Spec("gemm_do", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=False)),
               Spec("gemm_du", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=True)),
-              Spec("gemm_d_edge", ntconv_gemm._rows_gemm_kernel, dict(gemm, a="*fp32"),
-                   dict(gemm_k, HAS_BIAS=False, HAS_MUL=False))]
+              Spec("gemm_d_edge", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=False))]
     for heads, dim in ((16, 32), (1, 256)):
         be, bh, bd = ntconv_reduce.tile_shape(heads, dim)
         specs.append(Spec(f"gate H{heads} D{dim}", ntconv_reduce._gate_kernel,
-                          dict(y="*fp32", gate="*fp32", R="i32", H="i32", D="i32", C_OUT="i32"),
+                          dict(y=t, gate="*fp32", R="i32", H="i32", D="i32", C_OUT="i32"),
                           dict(SIGMOID=True, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd), dict(num_warps=4, num_stages=1)))
-        be, bh, bd = ntconv_reduce.tile_shape(heads, dim, ntconv_grad.GRAD_TILE_ELEMENTS)
+    # The message gradient at the tolokers preset's heads (do fused) and at two wide layers (dy only).
+    for heads, dim in ((2, 30), (16, 32), (1, 256)):
+        g = ntconv_grad.grad_tiles(heads, dim)
         specs += [Spec(f"message_grad{mode} H{heads} D{dim}", ntconv_grad._message_grad_kernel, grad,
-                       dict(MODE=mode, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd)) for mode in range(7)]
+                       dict(base, H=heads, D=dim, MODE=mode, FUSE_DO=g.fuse_do and mode != 5, BLOCK_E=g.block_e,
+                            BLOCK_H=g.block_h, BLOCK_D=g.block_d, BLOCK_N=ntconv_grad.DO_BLOCK_N),
+                       dict(num_warps=g.num_warps, num_stages=1)) for mode in range(7)]
     return specs + _reduction_specs(t, all_modes=dtype == "fp32")
 
 
@@ -119,21 +130,24 @@ REDUCTIONS = ([(f"receive{m} C{c}", m, c, True, True) for m in range(4) for c in
 def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
     """The reduce kernel (every item class in one launch) for every use in REDUCTIONS, the merge
     kernel in every mode (0 and 1 share their code: mode 0 only), the centre softmax's normalisation.
-    Everything they read is fp32 except the max mode's output type (its rounding), so for other
-    operand dtypes (``all_modes`` False) only the max mode is compiled again (with the merge's max
-    mode and the normalisation, so that every dtype lists every kernel)."""
-    reduce_types = dict(x="*fp32", gate="*fp32", items="*i32", bounds="*i64", rrow="*i32", acc="*fp32",
-                        run_max="*fp32", run_sum="*fp32", count="*fp32", part="*fp32", out_type=t, C="i32", H="i32",
-                        D="i32", ROW="i32", KEY_OFF="i32", PLANE="i32")
+    The reductions of per-row values (y, du) read them in the parameters' dtype, so they are compiled
+    for every operand dtype; the log-sum-exp of the (fp32) gates, the merge (fp32 partial states, except
+    the max mode's output type) and the normalisation read fp32, so for other operand dtypes
+    (``all_modes`` False) only their max mode and the normalisation are compiled again (so that every
+    dtype lists every kernel)."""
+    reduce_types = dict(x=t, gate="*fp32", items="*i32", bounds="*i64", rrow="*i32", acc="*fp32", run_max="*fp32",
+                        run_sum="*fp32", count="*fp32", part="*fp32", out_type=t, C="i32", H="i32", D="i32",
+                        ROW="i32", KEY_OFF="i32", PLANE="i32")
     merge_types = dict(splits="*i32", part="*fp32", acc="*fp32", run_max="*fp32", run_sum="*fp32", count="*fp32",
                        split0="i32", C="i32", KEY_OFF="i32", PLANE="i32")
     specs = []
     for name, mode, channels, gelu, gather in REDUCTIONS:
-        if mode != 3 and not all_modes:
+        if mode == 4 and not all_modes:
             continue
+        types = dict(reduce_types, x="*fp32") if mode == 4 else reduce_types
         block_c, rows, state_items = ntconv_plan.reduce_launch(channels)
         tiles = ntconv_plan.reduce_tiles(channels, 1)
-        specs.append(Spec(f"reduce {name}", ntconv_reduce._reduce_kernel, reduce_types,
+        specs.append(Spec(f"reduce {name}", ntconv_reduce._reduce_kernel, types,
                           dict(MODE=mode, APPLY_GELU=gelu, GATHER=gather, CLASSES=ntconv_plan.REDUCE_CLASSES,
                                ROWS=rows, STATE_ITEMS=state_items, BLOCK_C=block_c, BF16_EMU=False),
                           dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)))

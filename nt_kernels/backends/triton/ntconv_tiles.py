@@ -20,10 +20,10 @@ def _pow2(n: int, low: int = 16) -> int:
 
 
 # Register budgets (fp32 elements of a program's largest live tile), from ptxas on sm_90 (docs/kernels-ntconv-cuda.md,
-# "Compile check"): beyond them the kernels spill.
-PROLOGUE_TILE = 4096       # rows x channels of z (and rows x columns of one output block)
+# "Compile check"): beyond them the kernels spill or fall under 3 programs per SM.  Both kernels run 4 warps.
+PROLOGUE_TILE = 2048       # rows x channels of z (and rows x columns of one output block): 16 per thread
 PROLOGUE_WEIGHTS = 4096    # channels x columns of the w_qkv block one product reads
-WGRAD_ACCUMULATOR = 8192   # BLOCK_M x BLOCK_N of the weight-gradient accumulator (8 warps: 32 registers)
+WGRAD_ACCUMULATOR = 4096   # BLOCK_M x BLOCK_N of the weight-gradient accumulator: 32 registers per thread
 WGRAD_SPLITS = 512         # target number of split-K row blocks of a chunk
 WGRAD_MIN_SPLIT_ROWS = 64  # fewest rows in a split-K block
 
@@ -41,20 +41,22 @@ class PrologueTiles:
     num_stages: int
 
 
-def prologue_tiles(channels: int, edge_dim: int) -> PrologueTiles:
+def prologue_tiles(channels: int, edge_dim: int, dtype_bytes: int = 2) -> PrologueTiles:
     """Tiles of the prologue for C = ``channels`` and F = ``edge_dim`` (0 without edge features):
     the whole (padded) channel width per program, so every input row is read once and z is
-    computed once; BLOCK_R rows so that z stays within PROLOGUE_TILE elements, BLOCK_N columns so
-    that the output block and the w_qkv block stay within PROLOGUE_TILE / PROLOGUE_WEIGHTS."""
+    computed once; BLOCK_R rows so that z stays within PROLOGUE_TILE elements (16 per thread of 4
+    warps: C = 60 takes 32 rows), BLOCK_N columns so that the output block and the w_qkv block stay
+    within PROLOGUE_TILE / PROLOGUE_WEIGHTS.  Parameters of ``dtype_bytes`` = 4 (float32) take 8 warps
+    (their fp32 products spill at 4 warps for C = 60-64)."""
     block_c = _pow2(channels)
     block_r = min(max(PROLOGUE_TILE // block_c, 16), 128)
     block_n = min(block_c, max(16, PROLOGUE_TILE // block_r), max(16, PROLOGUE_WEIGHTS // block_c))
     block_f = min(_pow2(edge_dim), 32)
-    # ptxas (sm_80/89/90): 8 warps keep the 4,096-element tiles spill-free up to C = 128; from C = 256 on the
-    # fp32 product over the whole width spills with 2 stages (8 warps) or at 16 warps' 128-register cap.
-    if block_c >= 256:
+    # ptxas (sm_80/89/90): 4 warps keep the 2,048-element tiles spill-free up to C = 128 at 3 programs per SM;
+    # from C = 256 on (16 rows x 256 channels) 8 warps and one stage (the fp32 product spills otherwise).
+    if block_r * block_c > PROLOGUE_TILE:
         return PrologueTiles(block_r, block_c, block_n, block_f, 8, 1)
-    return PrologueTiles(block_r, block_c, block_n, block_f, 8 if block_r * block_c >= PROLOGUE_TILE else 4, 2)
+    return PrologueTiles(block_r, block_c, block_n, block_f, 8 if dtype_bytes > 2 else 4, 2)
 
 
 @dataclass(frozen=True)
@@ -71,18 +73,20 @@ class WeightGradTiles:
     num_warps: int
 
 
-def weight_grad_tiles(rows: int, m: int, n: int) -> WeightGradTiles:
-    """Tiles of dW (m, n) = Aᵀ B over ``rows`` rows.
+def weight_grad_tiles(rows: int, m: int, n: int, dtype_bytes: int = 2) -> WeightGradTiles:
+    """Tiles of dW (m, n) = Aᵀ B over ``rows`` rows, for one part of A (m = C for each of q, k, v).
 
     BLOCK_N covers the whole width up to 128 and BLOCK_M as much of m as the accumulator budget
-    allows, at most 128 (w_qkv with C = 60: 128 x 64, two tiles, which the kernel's grid runs side by side so
-    the second read of B comes from L2); the rows split into about WGRAD_SPLITS blocks of a
-    power-of-two size (>= WGRAD_MIN_SPLIT_ROWS), combined in block order.  Depends on sizes only."""
+    allows, at most 128 (C = 60: one 64 x 64 tile per part of w_qkv, two for w_out's 120 rows); the
+    rows split into about WGRAD_SPLITS blocks of a power-of-two size (>= WGRAD_MIN_SPLIT_ROWS),
+    combined in block order.  4 warps; float32 operands (``dtype_bytes`` = 4) take 8 warps and half the
+    accumulator, at most 64 rows (ptxas: w_out's 64 x 64 fp32 tile spills at C = 64 even on 8 warps,
+    w_edge's 128 x 16 at C = 256 on sm_89).  Depends on sizes only."""
     block_n = min(_pow2(n), 128)  # 256-wide B tiles spill on sm_89 (bf16)
-    block_m = min(_pow2(m), max(16, WGRAD_ACCUMULATOR // block_n), 128)  # 256-row A tiles spill on sm_80 (fp32)
+    wide = dtype_bytes > 2
+    block_m = min(_pow2(m), max(16, WGRAD_ACCUMULATOR // (block_n * (2 if wide else 1))), 64 if wide else 128)
     split_rows = _pow2(-(-max(rows, 1) // WGRAD_SPLITS), WGRAD_MIN_SPLIT_ROWS)
-    warps = 8 if block_m * block_n >= 2048 else 4
-    return WeightGradTiles(32, block_m, block_n, split_rows, -(-rows // split_rows), warps)
+    return WeightGradTiles(32, block_m, block_n, split_rows, -(-rows // split_rows), 8 if dtype_bytes > 2 else 4)
 
 
 REDUCE_TILE = 4096       # items x rows x channels of one step of a segmented-reduction program

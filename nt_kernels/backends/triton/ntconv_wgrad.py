@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import cast, mm
-from nt_kernels.backends.triton.ntconv_plan import weight_grad_tiles
+from nt_kernels.backends.triton.ntconv_plan import PART_ROWS, weight_grad_tiles
 
 __all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "weight_grad"]
 
@@ -51,20 +51,26 @@ NUM_STAGES = 2        # software pipelining of the split kernel (at most 32 KB o
 ONES = tl.constexpr(16)  # columns of the ones block of the bias sums (the smallest tl.dot width)
 
 
-@triton.jit(do_not_specialize=["R", "A_PART", "row0"])
-def _weight_grad_kernel(a, b, index, partials, R, M, N, A_SPLIT, A_PART, A_ROW, B_ROW, row0,
-                        SPLIT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+@triton.jit(do_not_specialize=["R", "PART", "row0"])
+def _weight_grad_kernel(a, b, index, partials, R, PART, row0, M_PART: tl.constexpr, N: tl.constexpr,
+                        PARTS: tl.constexpr, A_ROW: tl.constexpr, B_ROW: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        GATHER: tl.constexpr, PART_ALIGN: tl.constexpr,
                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    # A[r, m] at (m // A_SPLIT) A_PART + r A_ROW + m % A_SPLIT; B[r, n] at row(r) B_ROW + n with
-    # row(r) = index[row0 + r] when GATHER, else r.  partials is (splits, M, N + HAS_BIAS) fp32.
-    # Step 1: this program's output tile and its block of rows.
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # A is PARTS stacked (PART, M_PART) blocks of row stride A_ROW, rows < R used (part p at p PART A_ROW: the
+    # (3, part_rows, C) dqkv; PART a multiple of PART_ALIGN, 8 in the op, so every part starts as aligned as the
+    # first);
+    # B[r, n] at row(r) B_ROW + n with row(r) = index[row0 + r] when GATHER, else r.  partials is
+    # (splits, PARTS M_PART, N + HAS_BIAS) fp32.  Every stride is a compile-time constant, so the
+    # compiler sees the rows' alignment (C = 60: 8 bytes in bf16) and vectorises the loads.
+    # Step 1: this program's part, output tile and block of rows (part-major tile ids, no runtime divisor).
+    M_TILES: tl.constexpr = (M_PART + BLOCK_M - 1) // BLOCK_M
+    part = tl.program_id(0) // M_TILES
+    m = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
-    part = m // A_SPLIT
-    a_col = part.to(tl.int64) * A_PART + (m - part * A_SPLIT)
-    m_valid = m < M
+    a_part = a + tl.multiple_of(part.to(tl.int64) * PART * A_ROW, PART_ALIGN * A_ROW)
+    m_valid = m < M_PART
     n_valid = n < N
     first = split * SPLIT_ROWS
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -73,7 +79,7 @@ def _weight_grad_kernel(a, b, index, partials, R, M, N, A_SPLIT, A_PART, A_ROW, 
     for r0 in range(first, tl.minimum(first + SPLIT_ROWS, R), BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         valid = r < R
-        x = tl.load(a + r[:, None].to(tl.int64) * A_ROW + a_col[None, :], mask=valid[:, None] & m_valid[None, :],
+        x = tl.load(a_part + r[:, None].to(tl.int64) * A_ROW + m[None, :], mask=valid[:, None] & m_valid[None, :],
                     other=0.0)
         row = tl.load(index + row0 + r, mask=valid, other=0) if GATHER else r.to(tl.int64)
         y = tl.load(b + row[:, None] * B_ROW + n[None, :], mask=valid[:, None] & n_valid[None, :], other=0.0)
@@ -82,13 +88,13 @@ def _weight_grad_kernel(a, b, index, partials, R, M, N, A_SPLIT, A_PART, A_ROW, 
         if HAS_BIAS:  # column sums of A: Aᵀ times ones (rows past R are 0 in A), never rounded to TF32
             bias += mm(xt, tl.full([BLOCK_R, ONES], 1.0, DOT_DTYPE), "ieee", BF16_EMU)
     # Step 3: the block's partial sums, written once; the bias sums (column 0 of ``bias``) as column N.
-    width = N + HAS_BIAS
-    base = partials + split.to(tl.int64) * M * width
-    tl.store(base + m[:, None] * width + n[None, :], acc, mask=m_valid[:, None] & n_valid[None, :])
+    WIDTH: tl.constexpr = N + HAS_BIAS
+    base = partials + split.to(tl.int64) * (PARTS * M_PART * WIDTH) + part * (M_PART * WIDTH)
+    tl.store(base + m[:, None] * WIDTH + n[None, :], acc, mask=m_valid[:, None] & n_valid[None, :])
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             first_column = tl.arange(0, ONES)[None, :] == 0
-            tl.store(base + m * width + N, tl.sum(tl.where(first_column, bias, 0.0), axis=1), mask=m_valid)
+            tl.store(base + m * WIDTH + N, tl.sum(tl.where(first_column, bias, 0.0), axis=1), mask=m_valid)
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -118,17 +124,28 @@ def _combine_kernel(partials, w_acc, b_acc, S, M, N, HAS_BIAS: tl.constexpr, BLO
 def weight_grad(w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, a_row, b_row, dtype, dot_prec, bf16_emu,
                 index=None, row0=0):
     """w_acc (m, n) += Aᵀ B and, when ``b_acc`` is given, b_acc (m) += column sums of A, over ``rows``
-    rows (strides as in ``_weight_grad_kernel``; B rows gathered through ``index[row0 + r]`` when
-    given), operands rounded to ``dtype``; both accumulators fp32 and contiguous."""
+    rows: A[r, i] at (i // a_split) a_part + r a_row + i % a_split, where a part (a_split columns) is
+    a contiguous (a_part / a_row, a_row) block of at least ``rows`` rows (the (3, part_rows, C) dqkv:
+    three parts; the kernel is told the power of two, at most PART_ROWS, that divides part_rows); B rows
+    gathered through ``index[row0 + r]`` when given; operands rounded to ``dtype``; both accumulators
+    fp32 and contiguous."""
     if rows == 0:
         return
+    parts = m // a_split
+    part_rows = a_part // a_row if parts > 1 else rows
+    # What divides every part's row offset (0 for one part): one configuration per use, whatever the chunk.
+    part_align = min(part_rows & -part_rows, PART_ROWS) if parts > 1 else PART_ROWS
+    if parts * a_split != m or (parts > 1 and (part_rows * a_row != a_part or part_rows < rows)):
+        raise ValueError(f"weight_grad: A must be {m // max(a_split, 1)} parts of {a_split} columns, each a "
+                         f"(part_rows >= rows, a_row) block; got a_split={a_split}, a_part={a_part}")
     has_bias = b_acc is not None
-    t = weight_grad_tiles(rows, m, n)
+    t = weight_grad_tiles(rows, a_split, n, torch.empty(0, dtype=dtype).element_size())
     partials = torch.empty((t.splits, m, n + has_bias), dtype=torch.float32, device=w_acc.device)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.splits)
-    _weight_grad_kernel[grid](a, b, b if index is None else index, partials, rows, m, n, a_split, a_part, a_row,
-                              b_row, row0, SPLIT_ROWS=t.split_rows, BLOCK_R=t.block_r, BLOCK_M=t.block_m,
-                              BLOCK_N=t.block_n, HAS_BIAS=has_bias, GATHER=index is not None,
+    grid = (parts * triton.cdiv(a_split, t.block_m), triton.cdiv(n, t.block_n), t.splits)
+    _weight_grad_kernel[grid](a, b, b if index is None else index, partials, rows, part_rows, row0,
+                              M_PART=a_split, N=n, PARTS=parts, A_ROW=a_row, B_ROW=b_row, SPLIT_ROWS=t.split_rows,
+                              BLOCK_R=t.block_r, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_BIAS=has_bias,
+                              GATHER=index is not None, PART_ALIGN=part_align,
                               DOT_DTYPE=TL_DTYPES[dtype], DOT_PREC=dot_prec, BF16_EMU=bf16_emu,
                               num_warps=t.num_warps, num_stages=NUM_STAGES)
     _combine_kernel[(triton.cdiv(m * (n + has_bias), COMBINE_BLOCK),)](

@@ -1,0 +1,32 @@
+// Which CUDA Performer kernels run a call (SIMT or tensor cores): the policy
+// of the CUDA binding (csrc/cuda/segment_performer_binding.cpp), kept free of
+// CUDA so that every build, the CPU-only one included, exposes it as the op
+// nt_kernels::performer_cuda_kernels and CI pins the defaults on CPU
+// (tests/test_performer_cuda.py, test_cuda_performer_defaults).
+#pragma once
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+namespace nt_kernels {
+
+enum class PerformerKernels : int { Simt = 0, TensorCore = 1 };
+
+// With NT_KERNELS_PERFORMER unset, whether `dtype` runs the tensor-core kernels
+// where its shape fits them.  A kernel that has not run on a GPU is never a
+// default: false for every dtype until the GPU-truth issue (28) has passed the
+// tensor-core kernels on a GPU (it flips this and the test together).
+bool performer_tensor_cores_by_default(c10::ScalarType dtype);
+
+// The kernels for a call: `mode` is NT_KERNELS_PERFORMER ("" when unset; "tc":
+// the tensor cores for every dtype whose shape fits; "simt": SIMT for every
+// dtype; anything else fails with a message naming the variable and `op`),
+// `tc_fits` whether the tensor-core kernels can run this shape
+// (performer_tensor_cores_fit).
+PerformerKernels choose_performer_kernels(const char* op, c10::ScalarType dtype,
+                                          const std::string& mode, bool tc_fits);
+
+// NT_KERNELS_PERFORMER's value, "" when unset (read at every call).
+std::string performer_kernels_mode();
+
+}  // namespace nt_kernels

@@ -1,0 +1,103 @@
+"""Modelled bytes and FLOPs per kernel of one fused NT layer on CUDA (forward + backward), no GPU needed.
+
+Counts what each kernel of nt_kernels/backends/triton/ntconv_op.py must read and write for one layer of R
+packed rows (each value once; 32-byte sectors, L2 hits and the plan's small tables not counted) and the
+tensor-core FLOPs of its products, and the time each implies at the H100 roofline: 3.0 TB/s copy bandwidth
+(docs/results.md, roofline run) and 989 TFLOP/s dense bf16.  Arithmetic, unverified on GPU.  The default
+shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
+gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features).
+
+    python scripts/ntconv_bytes.py                  # this code: intermediates in the parameters' dtype
+    python scripts/ntconv_bytes.py --before         # issue 19's code: fp32 intermediates, unfused do, d_centre
+"""
+from __future__ import annotations
+
+import argparse
+
+BANDWIDTH = 3.0e12   # bytes/s, H100 copy (measured, docs/results.md)
+TENSOR_FLOPS = 989e12  # dense bf16, H100 SXM
+
+
+def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated,
+            rows_in_plan=True):
+    """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``rows_in_plan``: the segment of
+    every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before)."""
+    r, s, i = rows, param_size, inter_size
+    index = 8  # int64 per row: receiver, centre segment (seg_of_row), perm
+    edge = (index + edge_dim * node_size) * r if edge_dim else 0
+    prologue = (2 * index + c * node_size + 3 * c * s) * r + edge + nodes * c * node_size
+    prologue_flops = 2 * r * c * 3 * c + 2 * r * edge_dim * c
+    attention_fwd = (3 * c * s + c * s + 4 * heads) * r
+    values = c if gated else c_out  # the columns a receiver reduction reads
+    gate = 4 * heads * r if gated else 0
+    y_gemm = (c * s + c_out * i) * r
+    out = [] if rows_in_plan else [("fwd", "segment_of_rows (torch.searchsorted)", index * r, 0, "plan plumbing")]
+    out += [("fwd", "_prologue_kernel", prologue, prologue_flops, ""),
+            ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change"),
+            ("fwd", "_rows_gemm_kernel: y = o w_outᵀ + b", y_gemm, 2 * r * c * c_out, "")]
+    if gated:
+        out.append(("fwd", "_gate_kernel", (c * i) * r + gate, 0, ""))
+    out.append(("fwd", "_reduce_kernel (receivers) + merge", (4 + values * i) * r + gate + 2 * 2 * nodes * c * 4,
+                0, ""))
+    grad_in = (c_out * i + index + c * s) * r  # y, receiver, g = grad_out[receiver]
+    if not rows_in_plan:
+        out.append(("bwd", "segment_of_rows", index * r, 0, "plan plumbing"))
+    out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
+            ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
+            ("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
+    if fused_do:
+        out.append(("bwd", "_message_grad_kernel: dy, do = dy w_out", grad_in + (c_out * i + c * s) * r,
+                    2 * r * c_out * c, ""))
+    else:
+        out += [("bwd", "_message_grad_kernel: dy", grad_in + c_out * i * r, 0, ""),
+                ("bwd", "_rows_gemm_kernel: do = dy w_out", (c_out * i + c * s) * r, 2 * r * c_out * c, "")]
+    splits = 512
+    out += [("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
+             + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""),
+            ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
+            ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * s) * r
+             + 2 * splits * 3 * c * (c + 1) * 4, 2 * r * 3 * c * (c + 16), "")]
+    du = (3 * c * s + 2 * c * i + (index if fused_do else 0)) * r
+    if fused_do:  # the tile's segment sums ride along (one-hot products), crossing segments' partials fixed up
+        out.append(("bwd", "_du_kernel: du = (dqkv w_qkv) dz/du, d_centre", du + 2 * nodes * c * 4,
+                    2 * r * 3 * c * c + 2 * r * 32 * c, ""))
+    else:
+        out += [("bwd", "_rows_gemm_kernel: du = (dqkv w_qkv) dz/du", du, 2 * r * 3 * c * c, ""),
+                ("bwd", "_reduce_kernel: d_centre", c * i * r, 0, "")]
+    out.append(("bwd", "_reduce_kernel: d_receiver_term", (4 + c * i) * r, 0, ""))
+    if edge_dim:
+        out += [("bwd", "_weight_grad_kernel: w_edge", (c * i + index + edge_dim * node_size) * r,
+                 2 * r * c * edge_dim, ""),
+                ("bwd", "_rows_gemm_kernel: d_edge_attr", (c * i + edge_dim * node_size) * r, 2 * r * c * edge_dim,
+                 "")]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_038_000)
+    parser.add_argument("--nodes", type=int, default=11_758)
+    parser.add_argument("--channels", type=int, default=60)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--aggr-gated", dest="gated", action=argparse.BooleanOptionalAction, default=True,
+                        help="a gated aggregator (C_out = 2C; tolokers: gated_sum)")
+    parser.add_argument("--edge-dim", type=int, default=0)
+    parser.add_argument("--node-bytes", type=int, default=2, help="bytes per node-term value (bf16 under autocast)")
+    parser.add_argument("--before", action="store_true",
+                        help="issue 19's code: fp32 y, dy, du, dz/du; do by a row GEMM; d_centre a reduction of du")
+    args = parser.parse_args()
+    c = args.channels
+    rows = kernels(args.rows, args.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
+                   2, 4 if args.before else 2, not args.before, args.gated, rows_in_plan=not args.before)
+    print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | |")
+    print("|---|---|---:|---:|---:|---|")
+    total_bytes = total_time = 0.0
+    for phase, name, nbytes, flops, note in rows:
+        t = max(nbytes / BANDWIDTH, flops / TENSOR_FLOPS)
+        total_bytes, total_time = total_bytes + nbytes, total_time + t
+        print(f"| {phase} | {name} | {nbytes / 1e6:,.0f} MB | {flops / 1e9:,.0f} G | {t * 1e3:.3f} ms | {note} |")
+    print(f"| | **total** | **{total_bytes / 1e9:.2f} GB** | | **{total_time * 1e3:.2f} ms** | |")
+
+
+if __name__ == "__main__":
+    main()
