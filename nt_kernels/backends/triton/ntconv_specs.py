@@ -49,7 +49,7 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
     prologue = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, b_qkv=t, receiver="*i64", perm="*i64",
                     seg_of_row="*i64", qkv=t, z_out=t, jac_out=t, row0="i32", R="i32", PART="i32", seed_word="i32",
                     threshold="i32", drop_scale="fp32")
-    wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", PART="i32", row0="i32")
+    wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", row0="i32")
     dot = dict(base, DOT_DTYPE=ntconv_wgrad.TL_DTYPES[getattr(torch, TORCH_TYPES[dtype])])
     specs = []
     for c, f, c_out in LAYER_SHAPES:
@@ -68,7 +68,7 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
             specs.append(Spec(f"weight_grad {name} C{c} F{f}", ntconv_wgrad._weight_grad_kernel, wgrad,
                               dict(dot, M_PART=m, N=n, PARTS=parts, A_ROW=m, B_ROW=n, SPLIT_ROWS=w.split_rows,
                                    BLOCK_R=w.block_r, BLOCK_M=w.block_m, BLOCK_N=w.block_n, HAS_BIAS=bias,
-                                   GATHER=gather, PART_ALIGN=ntconv_plan.PART_ROWS),
+                                   GATHER=gather, PART_ALIGN=ntconv_plan.PART_ROWS if parts > 1 else 1),
                               dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
     for c in sorted({c for c, _, _ in LAYER_SHAPES if ntconv_gemm.fused_centre(c)}):
         width = ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS)
