@@ -18,8 +18,10 @@ BANDWIDTH = 3.0e12   # bytes/s, H100 copy (measured, docs/results.md)
 TENSOR_FLOPS = 989e12  # dense bf16, H100 SXM
 
 
-def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated):
-    """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer."""
+def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated,
+            rows_in_plan=True):
+    """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``rows_in_plan``: the segment of
+    every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before)."""
     r, s, i = rows, param_size, inter_size
     index = 8  # int64 per row: receiver, centre segment (seg_of_row), perm
     edge = (index + edge_dim * node_size) * r if edge_dim else 0
@@ -29,17 +31,18 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     values = c if gated else c_out  # the columns a receiver reduction reads
     gate = 4 * heads * r if gated else 0
     y_gemm = (c * s + c_out * i) * r
-    out = [("fwd", "segment_of_rows (torch.searchsorted)", index * r, 0, "plan plumbing"),
-           ("fwd", "_prologue_kernel", prologue, prologue_flops, ""),
-           ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change"),
-           ("fwd", "_rows_gemm_kernel: y = o w_outᵀ + b", y_gemm, 2 * r * c * c_out, "")]
+    out = [] if rows_in_plan else [("fwd", "segment_of_rows (torch.searchsorted)", index * r, 0, "plan plumbing")]
+    out += [("fwd", "_prologue_kernel", prologue, prologue_flops, ""),
+            ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change"),
+            ("fwd", "_rows_gemm_kernel: y = o w_outᵀ + b", y_gemm, 2 * r * c * c_out, "")]
     if gated:
         out.append(("fwd", "_gate_kernel", (c * i) * r + gate, 0, ""))
     out.append(("fwd", "_reduce_kernel (receivers) + merge", (4 + values * i) * r + gate + 2 * 2 * nodes * c * 4,
                 0, ""))
     grad_in = (c_out * i + index + c * s) * r  # y, receiver, g = grad_out[receiver]
-    out += [("bwd", "segment_of_rows", index * r, 0, "plan plumbing"),
-            ("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
+    if not rows_in_plan:
+        out.append(("bwd", "segment_of_rows", index * r, 0, "plan plumbing"))
+    out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
             ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
             ("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
     if fused_do:
@@ -85,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     c = args.channels
     rows = kernels(args.rows, args.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
-                   2, 4 if args.before else 2, not args.before, args.gated)
+                   2, 4 if args.before else 2, not args.before, args.gated, rows_in_plan=not args.before)
     print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | |")
     print("|---|---|---:|---:|---:|---|")
     total_bytes = total_time = 0.0

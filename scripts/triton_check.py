@@ -4,7 +4,8 @@ Compiles kernels of nt_kernels/backends/triton for target GPUs through Triton's
 own pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled ptxas),
 exactly as the launchers would launch them (``fwd_spec`` / ``bwd_spec``:
 kernel, constexprs, warps, stages; pointer arguments 16-byte aligned as the
-runtime specialises them), and reads each compile's shared memory per block
+runtime specialises them, except those the kernel leaves unspecialised,
+``do_not_specialize_on_alignment``), and reads each compile's shared memory per block
 and, from ``ptxas -v``, its registers and spill stores.
 
 Two parts:
@@ -96,6 +97,7 @@ def compile_one(job):
         spec = spec_of(kernel, config, dtype, heads, head_dim, cls, tile)
         fn = spec.fn
         signature, attrs = {}, {}
+        unaligned = set(getattr(fn, "do_not_specialize_on_alignment", None) or ())  # e.g. lse_ptr: any row
         for i, arg in enumerate(fn.arg_names):
             if arg in spec.kwargs and i in fn.constexprs:
                 signature[arg] = "constexpr"
@@ -103,7 +105,7 @@ def compile_one(job):
             if arg in spec.kwargs and spec.kwargs[arg] % 16 == 0:  # runtime H / D, specialised like the JIT does
                 attrs[(i,)] = [["tt.divisibility", 16]]
             signature[arg] = SCALARS.get(arg) or ("*fp32" if arg in FLOAT32_POINTERS else POINTER_TYPES[dtype])
-            if signature[arg].startswith("*"):
+            if signature[arg].startswith("*") and arg not in unaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         constexprs = {a: v for a, v in spec.kwargs.items() if fn.arg_names.index(a) in fn.constexprs}
         log = io.StringIO()

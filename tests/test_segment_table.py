@@ -1,5 +1,6 @@
 """The segment-table check of the CUDA Performer binding (csrc/common/segment_table.cpp),
-run through the op ``nt_kernels::check_segment_table`` on every available device.
+run through the op ``nt_kernels::check_segment_table`` on every available device, and the
+trusted-table ops (``performer_segment_table``, ``performer_{fwd,bwd}_table_into``).
 
 The CUDA binding runs the same function on the device tensors before its
 launches (tests/test_performer_cuda.py covers that path on a GPU).
@@ -53,3 +54,60 @@ def test_structure_is_checked_first():
                                                  torch.tensor([0]), 1)
     with pytest.raises(RuntimeError, match="segments must be a 1-D int64 tensor"):
         torch.ops.nt_kernels.check_segment_table(torch.tensor([0, 1]), torch.tensor([[0]]), 1)
+
+
+# ------------------------------------------ trusted tables (docs/design.md, "Host syncs")
+CHUNK = 256  # rows per CUDA Performer work item (PERFORMER_TABLE_CHUNK_ROWS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_performer_segment_table_is_the_chunk_offsets_of_a_checked_table(device):
+    rowptr = torch.tensor([0, 300, 300, 1000, 1001], device=device)
+    segments = torch.tensor([3, 0, 2, 1], device=device)
+    table = torch.ops.nt_kernels.performer_segment_table(rowptr, segments, 1001)
+    chunks = [-(-n // CHUNK) for n in (1, 300, 700, 0)]  # segments 3, 0, 2, 1
+    assert table.tolist() == [0] + torch.tensor(chunks).cumsum(0).tolist()
+    assert torch.ops.nt_kernels.performer_segment_table(rowptr, segments[:0], 1001).tolist() == [0]
+    with pytest.raises(RuntimeError, match=r"performer_segment_table: segments lists segment 2 more than once"):
+        torch.ops.nt_kernels.performer_segment_table(rowptr, torch.tensor([2, 2], device=device), 1001)
+
+
+def _performer_inputs(device, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+    rowptr = torch.tensor([0, 3, 3, 300, 301])
+    e, h, d = 301, 2, 5
+    q, k, v, grad_o = (torch.randn(e, h, d, generator=gen, dtype=dtype).to(device) for _ in range(4))
+    projection = torch.randn(7, d, generator=gen, dtype=dtype).to(device)
+    return rowptr.to(device), torch.tensor([2, 0, 3], device=device), q, k, v, grad_o, projection
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_ops_match_the_checking_ops_and_name_a_false_table(direction, device):
+    """performer_{fwd,bwd}_table_into given the table write what performer_{fwd,bwd}_into write
+    (rows of unlisted segments untouched); off CUDA they check the table, so a table that is not
+    performer_segment_table's is an error naming it (on CUDA it is trusted: the caller's promise)."""
+    rowptr, segments, q, k, v, grad_o, projection = _performer_inputs(device)
+    table = torch.ops.nt_kernels.performer_segment_table(rowptr, segments, q.shape[0])
+    ops = torch.ops.nt_kernels
+
+    def run(with_table, table=table):
+        outs = [torch.full_like(q, 7.0) for _ in range(1 if direction == "fwd" else 3)]
+        if direction == "fwd":
+            args = (q, k, v, rowptr, segments)
+            op, extra = (ops.performer_fwd_table_into, (table,)) if with_table else (ops.performer_fwd_into, ())
+        else:
+            args = (grad_o, q, k, v, rowptr, segments)
+            op, extra = (ops.performer_bwd_table_into, (table,)) if with_table else (ops.performer_bwd_into, ())
+        op(*outs, *args, *extra, projection, 1e-4)
+        return outs
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert all(t.ne(7.0).all() for t in want), "the listed segments hold every row"
+    if device == "cuda":
+        return
+    with pytest.raises(RuntimeError, match=rf"performer_{direction}_table_into: table is not the chunk-offset table"):
+        run(True, table + 1)
+    with pytest.raises(RuntimeError, match=rf"performer_{direction}_table_into: table must be the \(K \+ 1,\) int64"):
+        run(True, table[:-1])

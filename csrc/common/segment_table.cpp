@@ -1,10 +1,15 @@
-// Segment-table checks with tensor ops (see segment_table.h), and the op
-// nt_kernels::check_segment_table that exposes them for tests on any device.
+// Segment-table checks with tensor ops (see segment_table.h), the op
+// nt_kernels::check_segment_table that exposes them for tests on any device,
+// and the trusted-table ops: performer_segment_table (check once, return the
+// chunk offsets) and performer_{fwd,bwd}_table_into (the Performer given those
+// offsets; this file registers their checking composite, the CUDA binding its
+// trusting kernel).
 #include "common/segment_table.h"
 
 #include <algorithm>
 #include <limits>
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 namespace nt_kernels {
@@ -94,20 +99,96 @@ void ValidatedTables::check(const char* op, const Tensor& rowptr, const Tensor& 
                       rowptr._version(), segments._version(), num_rows});
 }
 
+Tensor performer_chunk_offsets(const Tensor& rowptr, const Tensor& segments, int64_t chunk_rows) {
+  // chunks_i = ceil(n_i / chunk_rows); offsets = exclusive scan.
+  const int64_t num = segments.numel();
+  Tensor offsets = at::zeros({num + 1}, segments.options().dtype(at::kLong));
+  if (num == 0) return offsets;
+  const Tensor sizes = rowptr.index_select(0, segments + 1) - rowptr.index_select(0, segments);
+  const Tensor chunks = (sizes + (chunk_rows - 1)).div(chunk_rows, "floor");
+  offsets.narrow(0, 1, num).copy_(chunks.cumsum(0));
+  return offsets;
+}
+
+Tensor performer_segment_table(const char* op, const Tensor& rowptr, const Tensor& segments,
+                               int64_t num_rows) {
+  check_segment_table(op, rowptr, segments, num_rows);
+  return performer_chunk_offsets(rowptr.contiguous(), segments.contiguous(),
+                                 PERFORMER_TABLE_CHUNK_ROWS);
+}
+
+void check_table_shape(const char* op, const Tensor& table, const Tensor& segments) {
+  TORCH_CHECK(table.dim() == 1 && table.scalar_type() == at::kLong &&
+                  table.numel() == segments.numel() + 1 && table.is_contiguous() &&
+                  table.device() == segments.device(),
+              op, ": table must be the (K + 1,) int64 chunk offsets that performer_segment_table "
+              "returns for these ", segments.numel(), " segments, on their device, got shape ",
+              table.sizes(), " ", table.scalar_type(), " on ", table.device());
+}
+
 namespace {
 
 void check_segment_table_op(const Tensor& rowptr, const Tensor& segments, int64_t num_rows) {
   check_segment_table("check_segment_table", rowptr, segments, num_rows);
 }
 
+Tensor performer_segment_table_op(const Tensor& rowptr, const Tensor& segments, int64_t num_rows) {
+  return performer_segment_table("performer_segment_table", rowptr, segments, num_rows);
+}
+
+// The composite (every device without a trusting kernel): the table must be
+// the one performer_segment_table returns (one host sync off the CPU).
+void check_table_values(const char* op, const Tensor& table, const Tensor& rowptr,
+                        const Tensor& segments, int64_t num_rows) {
+  check_table_shape(op, table, segments);
+  TORCH_CHECK(at::equal(table, performer_segment_table(op, rowptr, segments, num_rows)), op,
+              ": table is not the chunk-offset table of rowptr and segments (build it with "
+              "performer_segment_table)");
+}
+
+void performer_fwd_table_into_checked(const Tensor& o, const Tensor& q, const Tensor& k,
+                                      const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                                      const Tensor& table, const Tensor& projection, double eps) {
+  check_table_values("performer_fwd_table_into", table, rowptr, segments, q.size(0));
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("nt_kernels::performer_fwd_into", "")
+                       .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, const Tensor&, const Tensor&, double)>();
+  op.call(o, q, k, v, rowptr, segments, projection, eps);
+}
+
+void performer_bwd_table_into_checked(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                      const Tensor& grad_o, const Tensor& q, const Tensor& k,
+                                      const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                                      const Tensor& table, const Tensor& projection, double eps) {
+  check_table_values("performer_bwd_table_into", table, rowptr, segments, q.size(0));
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("nt_kernels::performer_bwd_into", "")
+                       .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                   const Tensor&, const Tensor&, double)>();
+  op.call(dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nt_kernels, m) {
   m.def("check_segment_table(Tensor rowptr, Tensor segments, int num_rows) -> ()");
+  m.def("performer_segment_table(Tensor rowptr, Tensor segments, int num_rows) -> Tensor");
+  m.def(
+      "performer_fwd_table_into(Tensor(a!) o, Tensor q, Tensor k, Tensor v, Tensor rowptr, "
+      "Tensor segments, Tensor table, Tensor projection, float eps) -> ()");
+  m.def(
+      "performer_bwd_table_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor grad_o, "
+      "Tensor q, Tensor k, Tensor v, Tensor rowptr, Tensor segments, Tensor table, "
+      "Tensor projection, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nt_kernels, CompositeExplicitAutograd, m) {
   m.impl("check_segment_table", &check_segment_table_op);
+  m.impl("performer_segment_table", &performer_segment_table_op);
+  m.impl("performer_fwd_table_into", &performer_fwd_table_into_checked);
+  m.impl("performer_bwd_table_into", &performer_bwd_table_into_checked);
 }
 
 }  // namespace nt_kernels

@@ -1,7 +1,8 @@
-// CUDA registrations of nt_kernels::performer_fwd_into / performer_bwd_into:
-// argument checks, the choice of kernels, the per-call chunk plan (device ops,
-// no host sync), float32 scratch from the caching allocator, and the
-// torch-free launchers on the current stream of q's device.
+// CUDA registrations of nt_kernels::performer_fwd_into / performer_bwd_into
+// and of their trusted-table variants performer_{fwd,bwd}_table_into:
+// argument checks, the choice of kernels, the per-call chunk plan, float32
+// scratch from the caching allocator, and the torch-free launchers on the
+// current stream of q's device.
 //
 // Kernels (NT_KERNELS_PERFORMER, read at every call; common/performer_choice.h):
 // unset, every dtype runs the SIMT kernels, the ones that passed on the H100;
@@ -9,13 +10,21 @@
 // where the shape fits them (performer_tensor_cores_fit) -- opt-in until a GPU
 // has passed them; "simt" forces the SIMT kernels.
 //
-// Segment ids and rowptr values are checked like the CPU kernels check them
-// (common/segment_table.h): an id out of range would read outside rowptr, and
-// a repeated id would overrun the chunk plan's capacity and leave rows
-// unwritten.  The check syncs once per new (rowptr, segments) pair; a pair
-// already checked (same tensors, unchanged versions) costs nothing.  While
-// the stream is being captured into a CUDA graph nothing can sync, so only
-// pairs checked before the capture (its warm-up run) are covered there.
+// performer_*_into: segment ids and rowptr values are checked like the CPU
+// kernels check them (common/segment_table.h): an id out of range would read
+// outside rowptr, and a repeated id would overrun the chunk plan's capacity
+// and leave rows unwritten.  The check syncs once per new (rowptr, segments)
+// pair; a pair already checked (same tensors, unchanged versions) costs
+// nothing.  While the stream is being captured into a CUDA graph nothing can
+// sync, so only pairs checked before the capture (its warm-up run) are
+// covered there.  The chunk offsets are computed per call (a few small
+// launches, no sync).
+//
+// performer_*_table_into (the trusted path, docs/design.md "Host syncs"): the
+// caller passes the chunk offsets that performer_segment_table returned when
+// it checked the table (the fused layer's plan, once per graph), so nothing is
+// checked or computed here beyond shapes: the Performer kernels are the only
+// launches, and the call can be captured into a CUDA graph.
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -59,12 +68,17 @@ void check_inputs(const char* op, const Tensor& q, const Tensor& k, const Tensor
               op, ": heads and features must fit in int32");
 }
 
-// Value checks of rowptr and the segment ids (see the file comment).
-void check_segment_values(const char* op, const Tensor& q, const Tensor& rowptr,
-                          const Tensor& segments) {
+static_assert(cuda::PERFORMER_CHUNK_ROWS == PERFORMER_TABLE_CHUNK_ROWS,
+              "performer_segment_table's chunk offsets are the kernels' work items");
+
+// The chunk offsets of an untrusted call: value checks of rowptr and the
+// segment ids first (see the file comment), then the offsets.
+Tensor checked_offsets(const char* op, const Tensor& q, const Tensor& rowptr,
+                       const Tensor& segments) {
   static ValidatedTables checked;
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return;
-  checked.check(op, rowptr, segments, q.size(0));
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None)
+    checked.check(op, rowptr, segments, q.size(0));
+  return performer_chunk_offsets(rowptr, segments, cuda::PERFORMER_CHUNK_ROWS);
 }
 
 // SIMT or tensor-core kernels for this call (see the file comment).
@@ -77,18 +91,12 @@ cuda::PerformerImpl choose_impl(const char* op, at::ScalarType dtype, const Perf
              : cuda::PerformerImpl::Simt;
 }
 
-// rp and seg are contiguous and, like the chunk plan written to `offsets`, must
-// outlive the launches: the caller keeps them.
+// rp, seg and the chunk offsets are contiguous and must outlive the launches:
+// the caller keeps them.
 PerformerProblem make_problem(const char* op, const Tensor& q, const Tensor& rp,
                               const Tensor& seg, const Tensor& projection, double eps,
-                              Tensor& offsets) {
+                              const Tensor& offsets) {
   const int64_t num = seg.numel();
-  // chunks_i = ceil(n_i / CHUNK); offsets = exclusive scan (device ops, no sync).
-  const Tensor sizes = rp.index_select(0, seg + 1) - rp.index_select(0, seg);
-  const Tensor chunks = (sizes + (cuda::PERFORMER_CHUNK_ROWS - 1)).div(cuda::PERFORMER_CHUNK_ROWS, "floor");
-  offsets = at::zeros({num + 1}, seg.options());
-  if (num > 0) offsets.narrow(0, 1, num).copy_(chunks.cumsum(0));
-
   int sm_count = 0, smem_optin = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.get_device()));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
@@ -101,7 +109,7 @@ PerformerProblem make_problem(const char* op, const Tensor& q, const Tensor& rp,
   p.num_segments = num;
   p.rowptr = rp.data_ptr<int64_t>();
   p.segments = seg.data_ptr<int64_t>();
-  p.chunk_offsets = offsets.data_ptr<int64_t>();
+  p.chunk_offsets = offsets.const_data_ptr<int64_t>();
   p.chunk_capacity = cuda::performer_chunk_capacity(p.rows, num);
   p.eps = (float)eps;
   p.sm_count = sm_count;
@@ -129,20 +137,36 @@ cudaError_t dispatch(at::ScalarType dtype, Fn&& fn) {
   }
 }
 
-void performer_fwd_into_cuda(const Tensor& o, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& rowptr, const Tensor& segments,
-                             const Tensor& projection, double eps) {
-  const char* op = "performer_fwd_into";
+void check_forward(const char* op, const Tensor& o, const Tensor& q, const Tensor& k,
+                   const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                   const Tensor& projection) {
   check_inputs(op, q, k, v, rowptr, segments, projection);
   check_output(op, "o", o, q);
+}
+
+void check_backward(const char* op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                    const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& rowptr, const Tensor& segments, const Tensor& projection) {
+  check_inputs(op, q, k, v, rowptr, segments, projection);
+  check_output(op, "dq", dq, q);
+  check_output(op, "dk", dk, q);
+  check_output(op, "dv", dv, q);
+  TORCH_CHECK(grad_o.sizes() == q.sizes() && grad_o.scalar_type() == q.scalar_type() &&
+                  grad_o.device() == q.device(),
+              op, ": grad_o must match q's shape, dtype and device");
+}
+
+// The forward launch; `offsets` nullptr: checked and computed here (untrusted call).
+void run_forward(const char* op, const Tensor& o, const Tensor& q, const Tensor& k,
+                 const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                 const Tensor& projection, double eps, const Tensor* offsets) {
   if (q.numel() == 0 || segments.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  check_segment_values(op, q, rowptr, segments);
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
-  Tensor offsets;
-  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, offsets);
+  const Tensor table = offsets != nullptr ? *offsets : checked_offsets(op, q, rp, seg);
+  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, table);
   const Tensor scratch =
       at::empty({(int64_t)cuda::performer_scratch_floats(p, false)}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -153,26 +177,18 @@ void performer_fwd_into_cuda(const Tensor& o, const Tensor& q, const Tensor& k, 
   }));
 }
 
-void performer_bwd_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                             const Tensor& grad_o, const Tensor& q, const Tensor& k,
-                             const Tensor& v, const Tensor& rowptr, const Tensor& segments,
-                             const Tensor& projection, double eps) {
-  const char* op = "performer_bwd_into";
-  check_inputs(op, q, k, v, rowptr, segments, projection);
-  check_output(op, "dq", dq, q);
-  check_output(op, "dk", dk, q);
-  check_output(op, "dv", dv, q);
-  TORCH_CHECK(grad_o.sizes() == q.sizes() && grad_o.scalar_type() == q.scalar_type() &&
-                  grad_o.device() == q.device(),
-              op, ": grad_o must match q's shape, dtype and device");
+// The backward launch; `offsets` as in run_forward.
+void run_backward(const char* op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                  const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& rowptr, const Tensor& segments, const Tensor& projection,
+                  double eps, const Tensor* offsets) {
   if (q.numel() == 0 || segments.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  check_segment_values(op, q, rowptr, segments);
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor gc = grad_o.contiguous(), pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
-  Tensor offsets;
-  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, offsets);
+  const Tensor table = offsets != nullptr ? *offsets : checked_offsets(op, q, rp, seg);
+  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, table);
   const Tensor scratch =
       at::empty({(int64_t)cuda::performer_scratch_floats(p, true)}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -184,11 +200,49 @@ void performer_bwd_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& d
   }));
 }
 
+void performer_fwd_into_cuda(const Tensor& o, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& rowptr, const Tensor& segments,
+                             const Tensor& projection, double eps) {
+  const char* op = "performer_fwd_into";
+  check_forward(op, o, q, k, v, rowptr, segments, projection);
+  run_forward(op, o, q, k, v, rowptr, segments, projection, eps, nullptr);
+}
+
+void performer_bwd_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                             const Tensor& grad_o, const Tensor& q, const Tensor& k,
+                             const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                             const Tensor& projection, double eps) {
+  const char* op = "performer_bwd_into";
+  check_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection);
+  run_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection, eps, nullptr);
+}
+
+void performer_fwd_table_into_cuda(const Tensor& o, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                                   const Tensor& table, const Tensor& projection, double eps) {
+  const char* op = "performer_fwd_table_into";
+  check_forward(op, o, q, k, v, rowptr, segments, projection);
+  check_table_shape(op, table, segments);
+  run_forward(op, o, q, k, v, rowptr, segments, projection, eps, &table);
+}
+
+void performer_bwd_table_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                   const Tensor& grad_o, const Tensor& q, const Tensor& k,
+                                   const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                                   const Tensor& table, const Tensor& projection, double eps) {
+  const char* op = "performer_bwd_table_into";
+  check_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection);
+  check_table_shape(op, table, segments);
+  run_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection, eps, &table);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(nt_kernels, CUDA, m) {
   m.impl("performer_fwd_into", &performer_fwd_into_cuda);
   m.impl("performer_bwd_into", &performer_bwd_into_cuda);
+  m.impl("performer_fwd_table_into", &performer_fwd_table_into_cuda);
+  m.impl("performer_bwd_table_into", &performer_bwd_table_into_cuda);
 }
 
 }  // namespace nt_kernels

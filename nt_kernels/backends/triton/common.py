@@ -19,7 +19,8 @@ import triton.language as tl
 
 from nt_kernels.backends.triton import configs as config_table
 from nt_kernels.backends.triton import plan as plan_layout
-from nt_kernels.backends.triton.plan import SM90_SHARED_MEMORY, TILE_HEIGHTS, max_packed_tile
+from nt_kernels.backends.triton.plan import (SM90_SHARED_MEMORY, TILE_HEIGHTS, max_packed_tile,
+                                             shared_memory_per_block)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = 1.4426950408889634
@@ -29,6 +30,9 @@ H_TILES = tl.constexpr(plan_layout.H_TILES)
 H_TILE_OFF = tl.constexpr(plan_layout.H_TILE_OFF)
 H_MULTI = tl.constexpr(plan_layout.H_MULTI)
 H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
+# The exact kernels' log-sum-exp pointer is not specialised on its alignment: the fused layer passes the rows of a
+# chunk (a view at any row), and the kernels read and write it one element per row anyway.
+LSE_UNALIGNED = ["lse_ptr"]
 
 
 class Spec(NamedTuple):
@@ -103,11 +107,41 @@ def choose_spec(kernel: str, make_spec, q: torch.Tensor, tile, grid, tensors: di
     return make_spec(config)
 
 
+def exact_launches(q: torch.Tensor, work, packed_kernel: str, packed_spec_of, multi_kernels: dict,
+                   args: dict) -> list[tuple[str, Spec, tuple]]:
+    """(kernel, spec, grid) of one pass of the exact kernels for q's dtype, head dim and device:
+    ``packed_kernel`` for each packed class the plan can hold (``packed_spec_of(config, cls, tile)``),
+    then the multi-tile kernels (``multi_kernels``: name -> spec_of(config)).  With ``work`` (tiles per
+    packed class, then multi-tile items, known on the host: ``ntconv_plan.Chunk.exact_work``) only
+    those with work, on grids no larger than it.  ``args``: each kernel's launch arguments, read only
+    when NT_KERNELS_TRITON_AUTOTUNE=1 times the configs."""
+    _, heads, head_dim = q.shape
+    out = []
+    for c, tile in packed_classes(q.dtype, head_dim, shared_memory_per_block(q.device)):
+        if work is None or work[c]:
+            grid = persistent_grid(q.device, None if work is None else work[c], heads)
+            spec = choose_spec(packed_kernel, lambda cfg: packed_spec_of(cfg, c, tile), q, tile, grid,
+                               args[packed_kernel])
+            out.append((packed_kernel, spec, grid))
+    if work is None or work[-1]:
+        grid = persistent_grid(q.device, None if work is None else work[-1], heads)
+        out += [(name, choose_spec(name, spec_of, q, None, grid, args[name]), grid)
+                for name, spec_of in multi_kernels.items()]
+    return out
+
+
 def num_programs(device: torch.device, per_sm: int = 32) -> int:
     """Persistent grid size: a few waves of programs per SM (4 under the interpreter)."""
     if INTERPRET or device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+
+
+def persistent_grid(device: torch.device, work: int | None, heads: int) -> tuple[int]:
+    """Grid of a persistent kernel: :func:`num_programs`, or fewer when the host knows the work items
+    (``work``, times ``heads``) and they are fewer."""
+    programs = num_programs(device)
+    return (programs if work is None else max(1, min(programs, work * heads)),)
 
 
 def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:

@@ -19,7 +19,7 @@ from nt_kernels.backends.triton.ntconv_plan import Plan, build_ntconv_plan, defa
 from nt_kernels.backends.triton.plan import max_packed_tile, shared_memory_per_block
 from nt_reference.dropout import drop_threshold, seed_key
 
-__all__ = ["AGGREGATORS", "ARG_NAMES", "GATE_GROUPS", "MAX_HEAD_DIM", "Problem", "problem"]
+__all__ = ["AGGREGATORS", "ARG_NAMES", "GATE_GROUPS", "MAX_HEAD_DIM", "Problem", "problem", "signed_word"]
 
 # The arguments of nt_kernels::ntconv_fwd in schema order (ntconv_bwd: grad_out, out, lse, stats, these, input_mask).
 ARG_NAMES = ("centre", "receiver_term", "edge_attr", "w_edge", "w_qkv", "b_qkv", "w_out", "b_out", "rowptr",
@@ -162,6 +162,13 @@ def _node_terms_and_weights(op, a):
     return out
 
 
+def signed_word(word: int) -> int:
+    """A 32-bit word as the signed int32 with the same bits: what the prologue takes as ``seed_word``
+    (every seed then launches the same i32 argument; a word >= 2**31 passed as is would be an i64
+    and compile the prologue a second time)."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
 def _options(op, a):
     if a["gate_group"] not in GATE_GROUPS:
         raise ValueError(f"{op}: gate_group must be one of {GATE_GROUPS}, got {a['gate_group']!r}")
@@ -174,7 +181,7 @@ def _options(op, a):
     scale, eps = float(a["scale"]), float(a["eps"])
     if not math.isfinite(scale) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{op}: scale must be finite and eps finite and >= 0, got {scale}, {eps}")
-    return dict(aggr=a["aggr"], gate_group=a["gate_group"], dropout=p, seed_word=seed_key(int(seed)),
+    return dict(aggr=a["aggr"], gate_group=a["gate_group"], dropout=p, seed_word=signed_word(seed_key(int(seed))),
                 drop_threshold=drop_threshold(p), drop_scale=1.0 / (1.0 - p), scale=scale, eps=eps)
 
 

@@ -127,13 +127,13 @@ def _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_ro
     return u
 
 
-@triton.jit(do_not_specialize=["row0", "R", "seed_word", "threshold"])
+@triton.jit(do_not_specialize=["row0", "R", "PART", "seed_word", "threshold"])
 def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receiver, perm, seg_of_row,
-                     qkv, z_out, jac_out, row0, R, seed_word, threshold, drop_scale, C: tl.constexpr,
+                     qkv, z_out, jac_out, row0, R, PART, seed_word, threshold, drop_scale, C: tl.constexpr,
                      F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
                      STORE_Z: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels.
+    # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels (q, k, v: PART rows apart).
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = r < R
     grow = row0 + r.to(tl.int64)
@@ -161,13 +161,13 @@ def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receive
             w = tl.load(w_qkv + col[None, :] * C + ch[:, None], mask=n_valid[None, :] & ch_valid[:, None], other=0.0)
             acc = mm(z, w, DOT_PREC, BF16_EMU)
             acc += tl.load(b_qkv + col, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-            out_offs = (r[:, None].to(tl.int64) + part * R) * C + n[None, :]
+            out_offs = (r[:, None].to(tl.int64) + part * PART) * C + n[None, :]
             tl.store(qkv + out_offs, cast(acc, qkv.dtype.element_ty, BF16_EMU),
                      mask=valid[:, None] & n_valid[None, :])
 
 
 @triton.autotune(configs=gemm_configs(), key=["K", "N", "BLOCK_N", "HAS_BIAS", "HAS_MUL"])
-@triton.jit
+@triton.jit(do_not_specialize=["R", "A_PART"])
 def _rows_gemm_kernel(a, w, bias, mul, out, R, K, N, A_SPLIT, A_PART, A_ROW, W_K, W_N,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       HAS_BIAS: tl.constexpr, HAS_MUL: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -225,12 +225,12 @@ def _tile_segment_sums(x, seg_of_row, rowptr, d_centre, part, r, valid, n, n_val
     tl.store(part + scratch, sums, mask=cross[:, None] & n_valid[None, :])
 
 
-@triton.jit(do_not_specialize=["R", "seg0"])
-def _du_kernel(dqkv, w_qkv, jac, seg_of_row, rowptr, du, d_centre, part, R, seg0, C: tl.constexpr,
+@triton.jit(do_not_specialize=["R", "PART", "seg0"], do_not_specialize_on_alignment=["d_centre"])
+def _du_kernel(dqkv, w_qkv, jac, seg_of_row, rowptr, du, d_centre, part, R, PART, seg0, C: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, CENTRE: tl.constexpr,
                DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    # Step 1: du = (dqkv · w_qkv) · dz/du for BLOCK_R rows and every channel, the (3, R, C) gradient read as
-    # one (R, 3C) operand in fixed BLOCK_K steps (as _rows_gemm_kernel), stored in du's type.
+    # Step 1: du = (dqkv · w_qkv) · dz/du for BLOCK_R rows and every channel, the (3, PART, C) gradient (rows
+    # < R used) read as one (R, 3C) operand in fixed BLOCK_K steps (as _rows_gemm_kernel), stored in du's type.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = r < R
     n = tl.arange(0, BLOCK_C)
@@ -240,7 +240,7 @@ def _du_kernel(dqkv, w_qkv, jac, seg_of_row, rowptr, du, d_centre, part, R, seg0
         kk = k0 + tl.arange(0, BLOCK_K)
         k_valid = kk < 3 * C
         qkv_part = kk // C
-        offs = (qkv_part[None, :].to(tl.int64) * R + r[:, None]) * C + (kk - qkv_part * C)[None, :]
+        offs = (qkv_part[None, :].to(tl.int64) * PART + r[:, None]) * C + (kk - qkv_part * C)[None, :]
         x = tl.load(dqkv + offs, mask=valid[:, None] & k_valid[None, :], other=0.0)
         w = tl.load(w_qkv + kk[:, None] * C + n[None, :], mask=k_valid[:, None] & n_valid[None, :], other=0.0)
         acc += mm(cast(x, w.dtype, BF16_EMU), w, DOT_PREC, BF16_EMU)
@@ -254,7 +254,7 @@ def _du_kernel(dqkv, w_qkv, jac, seg_of_row, rowptr, du, d_centre, part, R, seg0
                            BF16_EMU)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["d_centre"])
 def _centre_fixup_kernel(rowptr, part, d_centre, C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_C: tl.constexpr):
     # Segment s of the chunk, if it crosses a tile edge of _du_kernel: the partial sums of its tiles in tile
@@ -288,9 +288,10 @@ def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
     _prologue_kernel[(triton.cdiv(rows, t.block_r),)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre,
         p.w_qkv, p.b_qkv, p.receiver, p.perm, seg_of_row, qkv, z_out if store else qkv, jac_out if store else qkv,
-        chunk.row0, rows, p.seed_word, p.drop_threshold, p.drop_scale, C=c, F=p.edge_dim, BLOCK_R=t.block_r,
-        BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge, DROPOUT=p.dropout > 0,
-        STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps, num_stages=t.num_stages)
+        chunk.row0, rows, qkv.shape[1], p.seed_word, p.drop_threshold, p.drop_scale, C=c, F=p.edge_dim,
+        BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
+        DROPOUT=p.dropout > 0, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
+        num_stages=t.num_stages)
 
 
 def rows_gemm(out, a, w, *, rows, k, n, a_split, a_part, a_row, w_k, w_n, bias=None, mul=None,
@@ -329,7 +330,7 @@ def du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre):
     centre = d_centre is not None
     part = torch.empty((tiles, 2, c) if centre else (1,), dtype=torch.float32, device=du.device)
     _du_kernel[(tiles,)](dqkv, p.w_qkv, jac, seg_of_row, chunk.rowptr, du, d_centre if centre else du, part, rows,
-                         chunk.seg0, C=c, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_K=BLOCK_K,
+                         dqkv.shape[1], chunk.seg0, C=c, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_K=BLOCK_K,
                          CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=4, num_stages=2)
     if centre and chunk.seg1 > chunk.seg0:
         _centre_fixup_kernel[(chunk.seg1 - chunk.seg0,)](chunk.rowptr, part, d_centre, C=c, BLOCK_R=DU_ROWS,

@@ -136,7 +136,7 @@ def _back_project(acc, dy, w_out, rows, n, n_valid, C: tl.constexpr, BLOCK_E: tl
     return acc + mm(x, w, DOT_PREC, BF16_EMU)
 
 
-@triton.jit(do_not_specialize=["row0", "seg0", "R"])
+@triton.jit(do_not_specialize=["row0", "seg0", "R"], do_not_specialize_on_alignment=["keys"])
 def _message_grad_kernel(y, g_out, out, stats, keys, recv_rowptr, gate, seg_sum, seg_of_row, receiver, w_out, dy,
                          do, wa, row0, seg0, R, H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr,
                          FUSE_DO: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,

@@ -38,6 +38,8 @@ not exercised there).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.library import register_kernel
 
@@ -70,9 +72,8 @@ def _aggregation_mode(p: Problem) -> int:
 
 
 def segment_of_rows(chunk) -> torch.Tensor:
-    """(rows,) int64 centre node (segment id) of each of the chunk's rows."""
-    rows = torch.arange(chunk.rows, device=chunk.rowptr.device)
-    return torch.searchsorted(chunk.rowptr, rows, right=True) - 1 + chunk.seg0
+    """(rows,) int64 centre node (segment id) of each of the chunk's rows (kept in the plan)."""
+    return chunk.seg_of_row
 
 
 def _uncovered_zeros(p: Problem, shape, dtype) -> torch.Tensor:
@@ -81,30 +82,43 @@ def _uncovered_zeros(p: Problem, shape, dtype) -> torch.Tensor:
     return (torch.empty if p.plan.rows_covered else torch.zeros)(shape, dtype=dtype, device=p.device)
 
 
+def qkv_buffer(p: Problem, chunk, dtype, fill: bool = False) -> torch.Tensor:
+    """A chunk's (3, part_rows, H, D) buffer of q, k, v (or of their gradients): each part padded to
+    ``chunk.part_rows`` rows, so that q, k and v start 16-byte aligned whatever the chunk (the exact
+    kernels compile once); rows past ``chunk.rows`` are never read.  Zero-filled where ``fill``."""
+    shape = (3, chunk.part_rows, p.heads, p.head_dim)
+    return (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=p.device)
+
+
 def _attention_fwd(p: Problem, chunk, o, lse, q, k, v) -> None:
+    """Exact kernels with work in this chunk (their launch list kept on the plan), then the Performer
+    kernels through the trusted table the plan checked when it was built (no sync, no check here)."""
     if chunk.exact_plan is not None:
-        softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32)
+        softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
+                    memo=p.plan.memo)
     if chunk.performer is not None:
-        torch.ops.nt_kernels.performer_fwd_into(o, q, k, v, chunk.rowptr, chunk.performer, p.projection, p.eps)
+        torch.ops.nt_kernels.performer_fwd_table_into(o, q, k, v, chunk.rowptr, chunk.performer,
+                                                      chunk.performer_table, p.projection, p.eps)
 
 
 def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
     if chunk.exact_plan is not None:
-        softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32)
+        softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
+                    memo=p.plan.memo)
     if chunk.performer is not None:
-        torch.ops.nt_kernels.performer_bwd_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
-                                                p.projection, p.eps)
+        torch.ops.nt_kernels.performer_bwd_table_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
+                                                      chunk.performer_table, p.projection, p.eps)
 
 
 def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du), every per-row buffer in the parameters'
     dtype (the autocast dtype under autocast); z and dz/du only in the backward."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
-    qkv = torch.empty((3, rows, p.heads, p.head_dim), dtype=p.dtype, device=p.device)
+    qkv = qkv_buffer(p, chunk, p.dtype)
     z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
     jac = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
-    q, k, v = qkv.unbind(0)
+    q, k, v = qkv[:, :rows].unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
     _attention_fwd(p, chunk, o, lse, q, k, v)
     y = torch.empty((rows, p.out_channels), dtype=p.dtype, device=p.device)
@@ -154,17 +168,15 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     ``chunk_rows`` (tests only) overrides the chunk size of a plan built here.
     """
     p = problem("ntconv_fwd", locals())
-    out = torch.empty((p.num_out, p.channels), dtype=p.dtype, device=p.device)
     lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
     mode = _aggregation_mode(p)
-    state = State.empty(p.num_out, p.channels, mode, out)
+    state = State.empty(p.num_out, p.channels, mode, torch.empty(0, dtype=p.dtype, device=p.device))
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
         y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], backward=False)[0]
         receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
                 apply_gelu=True, gate=_gates(p, chunk, y, seg_of_row), bf16_emu=p.bf16_emu)
-    result, stats = _finish(p, state, mode)
-    out.copy_(result)
+    out, stats = _finish(p, state, mode)
     return out, lse, stats
 
 
@@ -193,20 +205,39 @@ def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
     return dy, do
 
 
+def _accumulators(shapes: dict, device, flat: bool) -> dict:
+    """fp32 zeros of each named shape (None: not wanted).  ``flat``: views of one buffer, 16-byte
+    aligned, filled by one launch, for accumulators the op casts to another dtype before returning
+    them (so no two outputs share memory); otherwise one tensor each."""
+    shapes = {n: s for n, s in shapes.items() if s is not None}
+    if not flat:
+        return {n: torch.zeros(s, dtype=torch.float32, device=device) for n, s in shapes.items()}
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
+    starts = [0]
+    for k in sizes.values():
+        starts.append(starts[-1] + -(-k // 4) * 4)
+    buffer = torch.zeros(starts[-1], dtype=torch.float32, device=device)
+    return {n: buffer[at:at + sizes[n]].view(s) for (n, s), at in zip(shapes.items(), starts)}
+
+
 class Grads:
-    """fp32 gradient accumulators of one backward call (None where not asked for)."""
+    """fp32 gradient accumulators of one backward call (None where not asked for): the weights' in
+    one buffer (one zero fill) when the parameters are not fp32, the node terms' likewise."""
 
     def __init__(self, p: Problem, input_mask):
-        dev, c, f32 = p.device, p.channels, torch.float32
-        self.centre = torch.zeros((p.num_nodes, c), dtype=f32, device=dev) if input_mask[0] else None
-        self.receiver = State.empty(p.num_nodes, c, AGG_SUM, p.centre) if input_mask[1] else None
+        c, f32 = p.channels, torch.float32
         has_edge = p.edge_attr is not None
+        nodes = _accumulators(dict(centre=(p.num_nodes, c) if input_mask[0] else None,
+                                   receiver=(p.num_nodes, c) if input_mask[1] else None),
+                              p.device, p.centre.dtype != f32)
+        self.centre = nodes.get("centre")
+        self.receiver = State(nodes["receiver"], out_type=p.centre) if input_mask[1] else None
         self.edge_attr = torch.zeros_like(p.edge_attr) if has_edge and input_mask[2] else None
-        self.w_edge = torch.zeros((c, p.edge_dim), dtype=f32, device=dev) if has_edge else None
-        self.w_qkv = torch.zeros((3 * c, c), dtype=f32, device=dev)
-        self.b_qkv = torch.zeros(3 * c, dtype=f32, device=dev)
-        self.w_out = torch.zeros((p.out_channels, c), dtype=f32, device=dev)
-        self.b_out = torch.zeros(p.out_channels, dtype=f32, device=dev)
+        weights = _accumulators(dict(w_edge=(c, p.edge_dim) if has_edge else None, w_qkv=(3 * c, c), b_qkv=(3 * c,),
+                                     w_out=(p.out_channels, c), b_out=(p.out_channels,)),
+                                p.device, p.dtype != f32)
+        self.w_edge = weights.get("w_edge")
+        self.w_qkv, self.b_qkv, self.w_out, self.b_out = (weights[n] for n in ("w_qkv", "b_qkv", "w_out", "b_out"))
 
 
 def _weight_grad(p: Problem, w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, b_row, index=None, row0=0):
@@ -221,14 +252,15 @@ def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
     segment reduction for C > DU_MAX_CHANNELS), then d_receiver_term and the edge gradients from du."""
     c, rows = p.channels, chunk.rows
     # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
-    _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=rows * c, b_row=c)
+    _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c,
+                 b_row=c)
     du = torch.empty((rows, c), dtype=p.dtype, device=p.device)
     d_centre = None if g.centre is None else g.centre[chunk.seg0:]
     if fused_centre(c):
         du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre)
     else:
-        rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=rows * c, a_row=c, w_k=c, w_n=1,
-                  mul=jac, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+        rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c,
+                  w_k=c, w_n=1, mul=jac, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
         if d_centre is not None:
             segment_sum(d_centre, du, chunk, c)
     if g.receiver is not None:
@@ -257,8 +289,8 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     c_out = p.out_channels
     _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
     # Attention backward, then the prologue's gradients.
-    dqkv = _uncovered_zeros(p, (3, rows, p.heads, p.head_dim), p.dtype)
-    _attention_bwd(p, chunk, dqkv[0], dqkv[1], dqkv[2], do, q, k, v, o, lse)
+    dqkv = qkv_buffer(p, chunk, p.dtype, fill=not p.plan.rows_covered)
+    _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse)
     _input_grads(p, chunk, g, dqkv, z, jac, seg_of_row)
 
 

@@ -13,19 +13,34 @@ chunk therefore holds fewer than ``chunk_rows + max_degree`` rows, and a
 neighbourhood is never split between chunks.
 
 The plan is one int64 tensor on the graph's device (it travels in the op's
-``exact_plan`` slot and is cached on the CSR by :func:`cached_plan`):
+``exact_plan`` slot and is cached on the CSR by :func:`cached_plan`); every
+region starts at an even word, so every view of it is 16-byte aligned (one
+Triton specialisation per kernel, whatever the chunk):
 
   header[0..15]     FUSED_MAGIC and the sizes it was built for (H_* below)
-  chunk table       CHUNK_FIELDS words per chunk (C_* below)
+  chunk table       CHUNK_FIELDS words per chunk (C_* below): rows, segments,
+                    region offsets, the exact kernels' work counts per class,
+                    and both reduction lists' item bounds
   per chunk         the exact kernel's work list for the chunk's exact segments
                     (``plan.build_plan`` over the chunk-local rowptr), the
-                    chunk's Performer segment ids (chunk-local), and the
-                    chunk-local rowptr (``rowptr[s0:s1+1] - row0``)
+                    chunk's Performer segment ids (chunk-local), their chunk
+                    offsets (``nt_kernels::performer_segment_table``: the
+                    trusted table the Performer kernels take), the chunk-local
+                    rowptr (``rowptr[s0:s1+1] - row0``), the segment of
+                    every row (``seg_of_row``, absolute ids) and ``rrow``
+                    (int32): its local rows ordered by (receiver, row)
   items             int32 triples (dest, first, end): the work items of the
                     two reduction lists below, positions first:end
   splits            int32 triples (dest, slot0, slot1): the split groups
-  rrow              int32, per chunk: its local rows ordered by (receiver,
-                    row); chunk c occupies positions row0..row1 of it
+
+Host syncs (docs/design.md, "Host syncs"): building a plan syncs (its checks,
+the chunk boundaries, the work counts); reading one does not.  The host's view
+of a plan (:class:`Plan`: chunks, views into the plan, launch specs) is parsed
+once and kept on the plan tensor itself (:func:`read_plan`), so the plan a CSR
+caches carries its parsed view, and a call that hands the op that tensor reads
+nothing from the device.  The views are storage aliases, not tensor views: a
+view would keep the plan tensor alive through the reference it holds to its
+base, a cycle the garbage collector cannot see.
 
 Segmented reductions (docs/kernels-ntconv-cuda.md, "Receiver and segment reductions").
 Each chunk has two *reduction lists*: its rows grouped by receiver (positions
@@ -33,13 +48,14 @@ into ``rrow``; dest = the receiver) and by centre segment (positions = the
 chunk-local rows; dest = the chunk-local segment).  A group of n rows becomes
 ceil(n / P) *items* of at most P = ``piece_rows`` consecutive positions; the
 items of a chunk's list are sorted by size class k (2^(k-1) < length <= 2^k,
-k < REDUCE_CLASSES), so one launch per class reduces slots of 2^k rows each
-(no loop over a block's longest group, few padded lanes).  An item that is a
-whole group merges its result into the running per-destination state
-directly (dest >= 0); the pieces of a larger, *split* group store partial
-states in scratch slot ``-1 - dest`` (consecutive slots per group), and a
-second kernel combines each split group's slots in slot order.  Everything is
-fixed by the graph and P: no atomics, the same summation order every run.
+k < REDUCE_CLASSES), and one launch reduces every class (each program takes
+items of one class, in slots of 2^k rows: no loop over a block's longest
+group, few padded lanes).  An item that is a whole group merges its result
+into the running per-destination state directly (dest >= 0); the pieces of a
+larger, *split* group store partial states in scratch slot ``-1 - dest``
+(consecutive slots per group), and a second kernel combines each split
+group's slots in slot order.  Everything is fixed by the graph and P: no
+atomics, the same summation order every run.
 
 Tile sizes of the per-message kernels come from the layer's shape, not from
 autotuning (:func:`prologue_tiles`, :func:`weight_grad_tiles`,
@@ -50,31 +66,41 @@ the same compiled code.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from nt_kernels.backends.triton.plan import build_plan
+from nt_kernels.backends.triton.ntconv_tiles import (PrologueTiles, ReduceTiles, WeightGradTiles, merge_tiles,
+                                                     normalize_tiles, prologue_tiles, reduce_launch, reduce_tiles,
+                                                     weight_grad_tiles)
+from nt_kernels.backends.triton.plan import H_MULTI, H_TILES, TILE_HEIGHTS, build_plan
 
-__all__ = ["Chunk", "FUSED_MAGIC", "PIECE_ROWS", "Plan", "PrologueTiles", "REDUCE_CLASSES", "Reduction",
+__all__ = ["Chunk", "FUSED_MAGIC", "PART_ROWS", "PIECE_ROWS", "Plan", "PrologueTiles", "REDUCE_CLASSES", "Reduction",
            "ReduceTiles", "WeightGradTiles", "build_ntconv_plan", "cached_plan", "default_chunk_rows", "merge_tiles",
-           "normalize_tiles", "prologue_tiles", "read_plan", "reduce_tiles", "weight_grad_tiles"]
+           "normalize_tiles", "prologue_tiles", "read_plan", "reduce_launch", "reduce_tiles", "weight_grad_tiles"]
 
-FUSED_MAGIC = 0x4E54_4632  # "NTF2" (NTF1: one receiver group per item, no size classes)
+FUSED_MAGIC = 0x4E54_4633  # "NTF3" (NTF2: no alignment, Performer tables or row segments; NTF1: no size classes)
 HEADER = 16
 (H_MAGIC, H_CHUNKS, H_CHUNK_ROWS, H_ROWS, H_SEGMENTS, H_OUT, H_MAX_TILE, H_EXACT, H_PERF,
- H_ITEMS_OFF, H_SPLITS_OFF, H_RROW_OFF, H_RECV_BOUND, H_PIECE_ROWS, H_COVERED) = range(15)
+ H_ITEMS_OFF, H_SPLITS_OFF, H_SPLITS_END, H_RECV_BOUND, H_PIECE_ROWS, H_COVERED) = range(15)
 REDUCE_CLASSES = 7   # item size classes: slots of 1, 2, 4, ..., 64 rows
 PIECE_ROWS = 64      # the largest item; a larger group splits into pieces of this many rows
-# Per reduction list and chunk: REDUCE_CLASSES + 1 item bounds (absolute item indices, one range per class),
-# the range of its split groups (absolute) and its number of scratch slots.
-LIST_FIELDS = REDUCE_CLASSES + 4
+PART_ROWS = 8        # q, k and v of a chunk start on 16-byte boundaries: their rows are padded to a multiple of 8
+# Per reduction list and chunk (even, so that the item bounds the reduce kernel reads are aligned):
+# REDUCE_CLASSES + 1 item bounds (absolute item indices, one range per class), the range of its split groups
+# (absolute), its number of scratch slots and a spare word.
+LIST_FIELDS = REDUCE_CLASSES + 5
 (L_ITEMS, L_SPLIT0, L_SPLIT1, L_SLOTS) = (0, REDUCE_CLASSES + 1, REDUCE_CLASSES + 2, REDUCE_CLASSES + 3)
-(C_ROW0, C_ROW1, C_SEG0, C_SEG1, C_EXACT_OFF, C_EXACT_LEN, C_EXACT, C_PERF_OFF, C_PERF,
- C_RPTR_OFF, C_RECEIVERS) = range(11)
+# Per chunk: rows, segments, the offsets of its regions, the number of exact and Performer segments, a
+# spare word, the exact kernels' work per packed class and multi-tile items (EXACT_WORK words), then the lists.
+EXACT_WORK = len(TILE_HEIGHTS) + 1
+(C_ROW0, C_ROW1, C_SEG0, C_SEG1, C_EXACT_OFF, C_EXACT_LEN, C_EXACT, C_PERF_OFF, C_PERF, C_TABLE_OFF,
+ C_RPTR_OFF, C_SEGROW_OFF, C_RROW_OFF, _C_SPARE, C_WORK) = range(15)
+C_RECEIVERS = C_WORK + EXACT_WORK
 C_SEGMENTS = C_RECEIVERS + LIST_FIELDS
 CHUNK_FIELDS = C_SEGMENTS + LIST_FIELDS
 CHUNK_BYTES = 4 << 30  # transient per-chunk buffers of the backward, about 64 B per row and channel
+_HOST = "_nt_fused_plan"  # attribute of a plan tensor: (its version when parsed, its Plan)
 
 
 def default_chunk_rows(channels: int) -> int:
@@ -84,161 +110,49 @@ def default_chunk_rows(channels: int) -> int:
     return min(max(1 << (rows.bit_length() - 1), 1024), 1 << 24)
 
 
-def _pow2(n: int, low: int = 16) -> int:
-    """The next power of two >= max(n, low)."""
-    return max(low, 1 << max(int(n) - 1, 0).bit_length())
-
-
-# Register budgets (fp32 elements of a program's largest live tile), from ptxas on sm_90 (docs/kernels-ntconv-cuda.md,
-# "Compile check"): beyond them the kernels spill or fall under 3 programs per SM.  Both kernels run 4 warps.
-PROLOGUE_TILE = 2048       # rows x channels of z (and rows x columns of one output block): 16 per thread
-PROLOGUE_WEIGHTS = 4096    # channels x columns of the w_qkv block one product reads
-WGRAD_ACCUMULATOR = 4096   # BLOCK_M x BLOCK_N of the weight-gradient accumulator: 32 registers per thread
-WGRAD_SPLITS = 512         # target number of split-K row blocks of a chunk
-WGRAD_MIN_SPLIT_ROWS = 64  # fewest rows in a split-K block
-
-
-@dataclass(frozen=True)
-class PrologueTiles:
-    """Launch shape of ``_prologue_kernel``: BLOCK_R rows x all BLOCK_C channels per program,
-    output columns in blocks of BLOCK_N within each of q, k, v, edge features in steps of BLOCK_F."""
-
-    block_r: int
-    block_c: int
-    block_n: int
-    block_f: int
-    num_warps: int
-    num_stages: int
-
-
-def prologue_tiles(channels: int, edge_dim: int, dtype_bytes: int = 2) -> PrologueTiles:
-    """Tiles of the prologue for C = ``channels`` and F = ``edge_dim`` (0 without edge features):
-    the whole (padded) channel width per program, so every input row is read once and z is
-    computed once; BLOCK_R rows so that z stays within PROLOGUE_TILE elements (16 per thread of 4
-    warps: C = 60 takes 32 rows), BLOCK_N columns so that the output block and the w_qkv block stay
-    within PROLOGUE_TILE / PROLOGUE_WEIGHTS.  Parameters of ``dtype_bytes`` = 4 (float32) take 8 warps
-    (their fp32 products spill at 4 warps for C = 60-64)."""
-    block_c = _pow2(channels)
-    block_r = min(max(PROLOGUE_TILE // block_c, 16), 128)
-    block_n = min(block_c, max(16, PROLOGUE_TILE // block_r), max(16, PROLOGUE_WEIGHTS // block_c))
-    block_f = min(_pow2(edge_dim), 32)
-    # ptxas (sm_80/89/90): 4 warps keep the 2,048-element tiles spill-free up to C = 128 at 3 programs per SM;
-    # from C = 256 on (16 rows x 256 channels) 8 warps and one stage (the fp32 product spills otherwise).
-    if block_r * block_c > PROLOGUE_TILE:
-        return PrologueTiles(block_r, block_c, block_n, block_f, 8, 1)
-    return PrologueTiles(block_r, block_c, block_n, block_f, 8 if dtype_bytes > 2 else 4, 2)
-
-
-@dataclass(frozen=True)
-class WeightGradTiles:
-    """Launch shape of the split-K weight gradient (ntconv_wgrad.py): rows in fixed blocks of
-    ``split_rows`` (``splits`` of them), each walked in steps of BLOCK_R, into an output tile of
-    BLOCK_M x BLOCK_N."""
-
-    block_r: int
-    block_m: int
-    block_n: int
-    split_rows: int
-    splits: int
-    num_warps: int
-
-
-def weight_grad_tiles(rows: int, m: int, n: int, dtype_bytes: int = 2) -> WeightGradTiles:
-    """Tiles of dW (m, n) = Aᵀ B over ``rows`` rows, for one part of A (m = C for each of q, k, v).
-
-    BLOCK_N covers the whole width up to 128 and BLOCK_M as much of m as the accumulator budget
-    allows, at most 128 (C = 60: one 64 x 64 tile per part of w_qkv, two for w_out's 120 rows); the
-    rows split into about WGRAD_SPLITS blocks of a power-of-two size (>= WGRAD_MIN_SPLIT_ROWS),
-    combined in block order.  4 warps; float32 operands (``dtype_bytes`` = 4) take 8 warps and half the
-    accumulator, at most 64 rows (ptxas: w_out's 64 x 64 fp32 tile spills at C = 64 even on 8 warps,
-    w_edge's 128 x 16 at C = 256 on sm_89).  Depends on sizes only."""
-    block_n = min(_pow2(n), 128)  # 256-wide B tiles spill on sm_89 (bf16)
-    wide = dtype_bytes > 2
-    block_m = min(_pow2(m), max(16, WGRAD_ACCUMULATOR // (block_n * (2 if wide else 1))), 64 if wide else 128)
-    split_rows = _pow2(-(-max(rows, 1) // WGRAD_SPLITS), WGRAD_MIN_SPLIT_ROWS)
-    return WeightGradTiles(32, block_m, block_n, split_rows, -(-rows // split_rows), 8 if dtype_bytes > 2 else 4)
-
-
-REDUCE_TILE = 4096       # items x rows x channels of one step of a segmented-reduction program
-REDUCE_MAX_ROWS = 256    # rows of one step (tiny C: more programs rather than longer tiles)
-REDUCE_MAX_CHANNELS = 256  # channels per program; wider rows split over a second grid axis
-REDUCE_STATE = 1024      # items x channels of the per-item running state (up to six such fp32 tiles live)
-
-
-@dataclass(frozen=True)
-class ReduceTiles:
-    """Launch shape of ``ntconv_reduce._reduce_kernel`` for one item class: BLOCK_G items of
-    ``slot_rows`` rows per program, reduced BLOCK_E rows at a time (one step unless a slot is taller
-    than the tile), BLOCK_C channels per program."""
-
-    block_g: int
-    block_e: int
-    block_c: int
-    slot_rows: int
-    num_warps: int
-    num_stages: int
-
-
-def reduce_tiles(channels: int, slot_rows: int) -> ReduceTiles:
-    """Tiles of the segmented reduction over ``channels`` columns for items of at most ``slot_rows``
-    rows: BLOCK_C the padded width (at most REDUCE_MAX_CHANNELS), and REDUCE_TILE / BLOCK_C rows per
-    step (at most REDUCE_MAX_ROWS: 64 for C = 60), filled with as many items as fit (64 one-row items,
-    one 64-row item).  One pipeline stage: a slot is one step (four at most), and the latency of
-    its gathers is hidden by the other programs on the SM, not by shared-memory buffers.
-    Depends on sizes only."""
-    block_c = min(_pow2(channels, 1), REDUCE_MAX_CHANNELS)
-    rows = min(REDUCE_TILE // block_c, REDUCE_MAX_ROWS)
-    block_e = min(slot_rows, rows)
-    block_g = max(1, min(rows // block_e, REDUCE_STATE // block_c))
-    return ReduceTiles(block_g, block_e, block_c, slot_rows, 4, 1)
-
-
-NORMALIZE_TILE = 1024     # rows x heads per program of the centre softmax's second pass
-
-
-def normalize_tiles(heads: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_H) of ``ntconv_reduce._normalize_kernel``: NORMALIZE_TILE (row, head) pairs
-    per program."""
-    block_h = _pow2(heads, 1)
-    return max(1, NORMALIZE_TILE // block_h), block_h
-
-
-def merge_tiles(channels: int) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_C) of ``ntconv_reduce._merge_kernel``: the partial states of BLOCK_P pieces
-    of one split group combined per step (a fixed tree), BLOCK_C channels per program."""
-    block_c = min(_pow2(channels, 1), REDUCE_MAX_CHANNELS)
-    return min(max(REDUCE_TILE // (4 * block_c), 4), 64), block_c
-
-
 @dataclass(frozen=True)
 class Reduction:
     """One chunk's reduction list (module docstring) as the host sees it."""
 
     items: torch.Tensor        # int32 (dest, first, end) triples of the whole plan, flat
     bounds: tuple[int, ...]    # REDUCE_CLASSES + 1 item indices: class k is items bounds[k]:bounds[k+1]
+    device_bounds: torch.Tensor  # the same bounds in the plan (int64), read by the reduce kernel
     splits: torch.Tensor       # int32 (dest, slot0, slot1) triples of the whole plan, flat
     split0: int                # this chunk's split groups: split0:split0 + num_split
     num_split: int
     slots: int                 # scratch slots its pieces write (slots of split groups)
+    launch: dict = field(default_factory=dict, compare=False, repr=False)  # channels -> programs
 
     def classes(self):
         """(slot rows, first item, number of items) of every non-empty class, smallest first."""
         return [(1 << k, self.bounds[k], self.bounds[k + 1] - self.bounds[k]) for k in range(REDUCE_CLASSES)
                 if self.bounds[k + 1] > self.bounds[k]]
 
+    def programs(self, channels: int) -> int:
+        """Programs (per channel block) of the one launch that reduces every class over ``channels``:
+        each class's items in blocks of its BLOCK_G (``reduce_tiles``); 0 for an empty list.  Kept
+        per ``channels`` (the launch's grid, computed once per plan and layer)."""
+        if channels not in self.launch:
+            self.launch[channels] = sum(-(-num // reduce_tiles(channels, slot).block_g)
+                                        for slot, _, num in self.classes())
+        return self.launch[channels]
+
 
 @dataclass(frozen=True)
 class Chunk:
     """One chunk as the host sees it: rows ``row0:row1``, segments ``seg0:seg1``
-    and views into the plan (None where the chunk has no such segments)."""
+    and aliases of its regions of the plan (None where the chunk has no such segments)."""
 
     row0: int
     row1: int
     seg0: int
     seg1: int
     exact_plan: torch.Tensor | None   # work list of the exact kernel, chunk-local rows
+    exact_work: tuple[int, ...]       # the exact kernels' work: tiles per packed class, multi-tile items
     performer: torch.Tensor | None    # chunk-local Performer segment ids (int64)
+    performer_table: torch.Tensor | None  # their chunk offsets (performer_segment_table: checked at build)
     rowptr: torch.Tensor              # chunk-local rowptr (seg1 - seg0 + 1,) int64
+    seg_of_row: torch.Tensor          # (row1 - row0,) int64 absolute segment (centre node) of each row
     receivers: Reduction              # rows by receiver (positions into rrow, dest = receiver)
     segments: Reduction               # rows by centre segment (positions = rows, dest = local segment)
     rrow: torch.Tensor                # (row1 - row0,) int32 local rows in receiver order
@@ -247,16 +161,32 @@ class Chunk:
     def rows(self) -> int:
         return self.row1 - self.row0
 
+    @property
+    def part_rows(self) -> int:
+        """Rows of each of q, k, v in a chunk buffer (and of their gradients): ``rows`` padded to a
+        multiple of PART_ROWS, so that every part starts 16-byte aligned in any dtype."""
+        return -(-self.rows // PART_ROWS) * PART_ROWS
+
 
 @dataclass(frozen=True)
 class Plan:
-    """The host's view of a fused plan: its chunks, the rows per piece it was built with, and
-    whether the two segment lists hold every packed row (then the attention outputs of a chunk
-    need no zero fill: the kernels write every row)."""
+    """The host's view of a fused plan: its chunks, the rows per piece it was built with, whether
+    the two segment lists hold every packed row (then the attention outputs of a chunk need no zero
+    fill: the kernels write every row), the header it was built with (checked against each call)
+    and the launch specs of its calls (:meth:`memo`, filled on first use)."""
 
     chunks: list[Chunk]
     piece_rows: int
-    rows_covered: bool = False
+    rows_covered: bool
+    header: tuple[int, ...]
+    specs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def memo(self, key, build):
+        """``build()`` once per ``key``: launch specs and grids that depend only on the plan and the
+        layer, kept for every later call on this plan."""
+        if key not in self.specs:
+            self.specs[key] = build()
+        return self.specs[key]
 
 
 def _sorted_ids(op: str, name: str, ids: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -363,11 +293,50 @@ def _as_words(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int64)
 
 
+def _even(x: torch.Tensor) -> torch.Tensor:
+    """x (int64 words) zero-padded to an even length: the next region starts 16-byte aligned."""
+    return torch.cat([x, x.new_zeros(1)]) if x.numel() % 2 else x
+
+
+def _check_receivers(op: str, receiver: torch.Tensor, num_out: int, num_nodes: int | None) -> int:
+    """The receivers' bound (largest + 1, 0 without rows); each must be below ``num_out`` and ``num_nodes``."""
+    if not receiver.numel():
+        return 0
+    lo, hi = torch.stack([receiver.min(), receiver.max()]).tolist()
+    limit = num_out if num_nodes is None else min(num_out, num_nodes)
+    if lo < 0 or hi >= limit:
+        raise ValueError(f"{op}: receiver holds node {lo if lo < 0 else hi} outside [0, {limit})")
+    return hi + 1
+
+
+def _chunk_regions(rowptr, exact, perf, rrow, seg_bounds, row_bounds, max_tile):
+    """Per chunk: its regions (exact work list, Performer ids, their checked chunk offsets, local rowptr,
+    row segments, rrow) and its exact work counts (one sync for all chunks)."""
+    exact_bounds = torch.searchsorted(exact, torch.tensor(seg_bounds, dtype=torch.int64, device=rowptr.device))
+    perf_bounds = torch.searchsorted(perf, torch.tensor(seg_bounds, dtype=torch.int64, device=rowptr.device))
+    exact_bounds, perf_bounds = exact_bounds.tolist(), perf_bounds.tolist()
+    regions, work = [], []
+    for c in range(len(seg_bounds) - 1):
+        s0, s1, r0, r1 = seg_bounds[c], seg_bounds[c + 1], row_bounds[c], row_bounds[c + 1]
+        local_rowptr = rowptr[s0:s1 + 1] - r0
+        e0, e1, p0, p1 = exact_bounds[c], exact_bounds[c + 1], perf_bounds[c], perf_bounds[c + 1]
+        sub = build_plan(local_rowptr, exact[e0:e1] - s0, r1 - r0, max_tile) if e1 > e0 else rowptr.new_zeros(0)
+        local_perf = perf[p0:p1] - s0
+        table = (torch.ops.nt_kernels.performer_segment_table(local_rowptr, local_perf, r1 - r0) if p1 > p0
+                 else rowptr.new_zeros(0))
+        seg_of_row = torch.repeat_interleave(torch.arange(s0, s1, device=rowptr.device), torch.diff(local_rowptr),
+                                             output_size=r1 - r0)
+        regions.append((sub, local_perf, table, local_rowptr, seg_of_row, rrow[r0:r1].clone(), e1 - e0))
+        work.append(torch.cat([sub[H_TILES:H_TILES + len(TILE_HEIGHTS)], sub[H_MULTI:H_MULTI + 1]]) if e1 > e0
+                    else rowptr.new_zeros(EXACT_WORK))
+    return regions, (torch.stack(work).tolist() if work else [])
+
+
 def build_ntconv_plan(rowptr: torch.Tensor, receiver: torch.Tensor, exact_segments: torch.Tensor,
                       performer_segments: torch.Tensor, num_out: int, chunk_rows: int,
                       max_tile: int, op: str = "ntconv", num_nodes: int | None = None,
                       perm: torch.Tensor | None = None, piece_rows: int = PIECE_ROWS) -> torch.Tensor:
-    """Build the fused op's plan (module docstring) on ``rowptr``'s device.
+    """Build the fused op's plan (module docstring) on ``rowptr``'s device, with its host view attached.
 
     ``receiver`` (E,) is the receiver of every packed row, ``num_out`` the
     number of output rows; the segment lists are those of the op call, checked
@@ -375,7 +344,8 @@ def build_ntconv_plan(rowptr: torch.Tensor, receiver: torch.Tensor, exact_segmen
     given, < ``num_nodes``, the rows of the receiver term), the row pointer
     (0 first, non-decreasing, E last) and, when given, ``perm`` (values in
     [0, E)).  ``piece_rows`` (P, at most 2 ** (REDUCE_CLASSES - 1)) is the largest work
-    item of the segmented reductions.  Syncs with the host a few times.
+    item of the segmented reductions.  Syncs with the host a few times (a plan is
+    built once per graph; every call that reads it then syncs no more).
     """
     device = rowptr.device
     rowptr = rowptr.to(torch.int64)
@@ -385,13 +355,7 @@ def build_ntconv_plan(rowptr: torch.Tensor, receiver: torch.Tensor, exact_segmen
     _check_graph(op, rowptr, num_rows, perm)
     if not 1 <= piece_rows <= 1 << (REDUCE_CLASSES - 1):
         raise ValueError(f"{op}: piece_rows must be in [1, {1 << (REDUCE_CLASSES - 1)}], got {piece_rows}")
-    recv_bound = 0
-    if num_rows:
-        lo, hi = torch.stack([receiver.min(), receiver.max()]).tolist()
-        limit = num_out if num_nodes is None else min(num_out, num_nodes)
-        if lo < 0 or hi >= limit:
-            raise ValueError(f"{op}: receiver holds node {lo if lo < 0 else hi} outside [0, {limit})")
-        recv_bound = hi + 1
+    recv_bound = _check_receivers(op, receiver, num_out, num_nodes)
     exact = _sorted_ids(op, "exact_segments", exact_segments.to(device), num_segments)
     perf = _sorted_ids(op, "performer_segments", performer_segments.to(device), num_segments)
     listed = torch.zeros(num_segments, dtype=torch.bool, device=device)
@@ -403,48 +367,99 @@ def build_ntconv_plan(rowptr: torch.Tensor, receiver: torch.Tensor, exact_segmen
     rrow, recv_groups = _receiver_groups(receiver.to(torch.int64), row_starts, num_out)
     lists = [_work_items(recv_groups, num_chunks, piece_rows),
              _work_items(_segment_groups(rowptr, seg_bounds, row_bounds), num_chunks, piece_rows)]
-    bounds = torch.tensor(seg_bounds, dtype=torch.int64, device=device)
-    exact_bounds = torch.searchsorted(exact, bounds).tolist()
-    perf_bounds = torch.searchsorted(perf, bounds).tolist()
+    regions, work = _chunk_regions(rowptr, exact, perf, rrow, seg_bounds, row_bounds, max_tile)
 
-    table, regions = [], []
+    table, words = [], []
     offset = HEADER + CHUNK_FIELDS * num_chunks
-    for c in range(num_chunks):
-        s0, s1, r0, r1 = seg_bounds[c], seg_bounds[c + 1], row_bounds[c], row_bounds[c + 1]
-        local_rowptr = rowptr[s0:s1 + 1] - r0
-        e0, e1 = exact_bounds[c], exact_bounds[c + 1]
-        sub = build_plan(local_rowptr, exact[e0:e1] - s0, r1 - r0, max_tile) if e1 > e0 else rowptr.new_zeros(0)
-        p0, p1 = perf_bounds[c], perf_bounds[c + 1]
-        table += [r0, r1, s0, s1, offset, sub.numel(), e1 - e0, offset + sub.numel(), p1 - p0,
-                  offset + sub.numel() + (p1 - p0)]
+    for c, (sub, local_perf, perf_table, local_rowptr, seg_of_row, local_rrow, num_exact) in enumerate(regions):
+        starts = []
+        for part in (sub, local_perf, perf_table, local_rowptr, seg_of_row, _as_words(local_rrow)):
+            starts.append(offset)
+            words.append(_even(part))
+            offset += words[-1].numel()
+        row = [row_bounds[c], row_bounds[c + 1], seg_bounds[c], seg_bounds[c + 1], starts[0], sub.numel(),
+               num_exact, starts[1], local_perf.numel(), starts[2], starts[3], starts[4], starts[5], 0] + work[c]
         # The segment list's items and splits follow the receiver list's in the plan's arrays.
         item_base, split_base = 0, 0
         for items, splits, rows in lists:
             rows = rows[c]
-            table += ([b + item_base for b in rows[:L_SPLIT0]] + [b + split_base for b in rows[L_SPLIT0:L_SLOTS]]
-                      + [rows[L_SLOTS]])
+            row += ([b + item_base for b in rows[:L_SPLIT0]] + [b + split_base for b in rows[L_SPLIT0:L_SLOTS]]
+                    + [rows[L_SLOTS], 0])
             item_base, split_base = item_base + items.shape[0], split_base + splits.shape[0]
-        regions += [sub, perf[p0:p1] - s0, local_rowptr]
-        offset += sub.numel() + (p1 - p0) + local_rowptr.numel()
-    item_words = _as_words(torch.cat([lists[0][0], lists[1][0]]).reshape(-1))
-    split_words = _as_words(torch.cat([lists[0][1], lists[1][1]]).reshape(-1))
+        table += row
+    item_words = _even(_as_words(torch.cat([lists[0][0], lists[1][0]]).reshape(-1)))
+    split_words = _even(_as_words(torch.cat([lists[0][1], lists[1][1]]).reshape(-1)))
     header = [FUSED_MAGIC, num_chunks, chunk_rows, num_rows, num_segments, num_out, max_tile,
               exact.numel(), perf.numel(), offset, offset + item_words.numel(),
               offset + item_words.numel() + split_words.numel(), recv_bound, piece_rows, int(covered)]
-    head = torch.tensor(header + [0] * (HEADER - len(header)) + table, dtype=torch.int64, device=device)
-    return torch.cat([head, *regions, item_words, split_words, _as_words(rrow)])
+    head = header + [0] * (HEADER - len(header)) + table
+    plan = torch.cat([torch.tensor(head, dtype=torch.int64, device=device), *words, item_words, split_words])
+    _attach(plan, _parse(plan, head))
+    return plan
+
+
+def _alias(plan: torch.Tensor, word: int, length: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``length`` elements of ``dtype`` of the plan from word ``word`` on, sharing its storage without
+    being a view of it (a view would keep the plan tensor alive: module docstring)."""
+    per_word = 8 // dtype.itemsize
+    out = torch.empty(0, dtype=dtype, device=plan.device)
+    return out.set_(plan.untyped_storage(), (plan.storage_offset() + word) * per_word, (length,))
+
+
+def _reduction(plan: torch.Tensor, head: list[int], at: int, items, splits) -> Reduction:
+    """The reduction list whose LIST_FIELDS words start at word ``at`` of the chunk table."""
+    w = head[at:at + LIST_FIELDS]
+    return Reduction(items, tuple(w[L_ITEMS:L_SPLIT0]), _alias(plan, at, REDUCE_CLASSES + 1), splits, w[L_SPLIT0],
+                     w[L_SPLIT1] - w[L_SPLIT0], w[L_SLOTS])
+
+
+def _parse(plan: torch.Tensor, head: list[int]) -> Plan:
+    """The host view of ``plan`` from its header and chunk table (``head``, already on the host)."""
+    items_off, splits_off, splits_end = head[H_ITEMS_OFF], head[H_SPLITS_OFF], head[H_SPLITS_END]
+    items = _alias(plan, items_off, 2 * (splits_off - items_off), torch.int32)
+    splits = _alias(plan, splits_off, 2 * (splits_end - splits_off), torch.int32)
+    chunks = []
+    for c in range(head[H_CHUNKS]):
+        base = HEADER + CHUNK_FIELDS * c
+        t = head[base:base + CHUNK_FIELDS]
+        rows, segs, perf = t[C_ROW1] - t[C_ROW0], t[C_SEG1] - t[C_SEG0], t[C_PERF]
+        chunks.append(Chunk(
+            t[C_ROW0], t[C_ROW1], t[C_SEG0], t[C_SEG1],
+            _alias(plan, t[C_EXACT_OFF], t[C_EXACT_LEN]) if t[C_EXACT] else None,
+            tuple(t[C_WORK:C_WORK + EXACT_WORK]),
+            _alias(plan, t[C_PERF_OFF], perf) if perf else None,
+            _alias(plan, t[C_TABLE_OFF], perf + 1) if perf else None,
+            _alias(plan, t[C_RPTR_OFF], segs + 1), _alias(plan, t[C_SEGROW_OFF], rows),
+            _reduction(plan, head, base + C_RECEIVERS, items, splits),
+            _reduction(plan, head, base + C_SEGMENTS, items, splits),
+            _alias(plan, t[C_RROW_OFF], rows, torch.int32)))
+    return Plan(chunks, head[H_PIECE_ROWS], bool(head[H_COVERED]), tuple(head[:HEADER]))
+
+
+def _attach(plan: torch.Tensor, host: Plan) -> Plan:
+    setattr(plan, _HOST, (plan._version, host))
+    return host
 
 
 def read_plan(op: str, plan: torch.Tensor, *, num_rows: int, num_segments: int, num_out: int, chunk_rows: int,
               max_tile: int, num_exact: int, num_performer: int, num_nodes: int) -> Plan | None:
-    """The chunks of a plan built for exactly these sizes and a packed-tile cap at most
-    ``max_tile`` (one small device-to-host copy), or None when ``plan`` is not a fused plan
-    (e.g. the exact kernel's own work list).  ``num_nodes`` (rows of the receiver term) must
-    exceed every receiver."""
-    bound = HEADER + CHUNK_FIELDS * -(-num_rows // chunk_rows)
-    head = plan[:min(bound, plan.numel())].tolist()
-    if len(head) < HEADER or head[H_MAGIC] != FUSED_MAGIC:
-        return None
+    """The host view of a plan built for exactly these sizes and a packed-tile cap at most
+    ``max_tile``, or None when ``plan`` is not a fused plan (e.g. the exact kernel's own work list).
+    ``num_nodes`` (rows of the receiver term) must exceed every receiver.
+
+    The view is the one attached to ``plan`` when it was built or first read (no device access,
+    unless the plan was changed in place since); otherwise it is parsed (one small device-to-host
+    copy) and attached, so a plan read twice syncs once."""
+    cached = getattr(plan, _HOST, None)
+    if cached is not None and cached[0] == plan._version:
+        host = cached[1]
+    else:
+        bound = HEADER + CHUNK_FIELDS * -(-num_rows // chunk_rows)
+        head = plan[:min(bound, plan.numel())].tolist()
+        if len(head) < HEADER or head[H_MAGIC] != FUSED_MAGIC:
+            return None
+        host = _attach(plan, _parse(plan, head))
+    head = host.header
     want = {H_CHUNK_ROWS: chunk_rows, H_ROWS: num_rows, H_SEGMENTS: num_segments, H_OUT: num_out,
             H_EXACT: num_exact, H_PERF: num_performer}
     wrong = [(i, head[i], v) for i, v in want.items() if head[i] != v]
@@ -456,28 +471,13 @@ def read_plan(op: str, plan: torch.Tensor, *, num_rows: int, num_segments: int, 
     if head[H_RECV_BOUND] > num_nodes:
         raise ValueError(f"{op}: the graph has receiver {head[H_RECV_BOUND] - 1} but receiver_term has "
                          f"{num_nodes} rows")
-    items = plan[head[H_ITEMS_OFF]:head[H_SPLITS_OFF]].view(torch.int32)
-    splits = plan[head[H_SPLITS_OFF]:head[H_RROW_OFF]].view(torch.int32)
-    rrow = plan[head[H_RROW_OFF]:].view(torch.int32)
-
-    def reduction(t, at):
-        w = t[at:at + LIST_FIELDS]
-        return Reduction(items, tuple(w[L_ITEMS:L_SPLIT0]), splits, w[L_SPLIT0], w[L_SPLIT1] - w[L_SPLIT0],
-                         w[L_SLOTS])
-    chunks = []
-    for c in range(head[H_CHUNKS]):
-        t = head[HEADER + CHUNK_FIELDS * c: HEADER + CHUNK_FIELDS * (c + 1)]
-        exact = plan[t[C_EXACT_OFF]:t[C_EXACT_OFF] + t[C_EXACT_LEN]] if t[C_EXACT] else None
-        perf = plan[t[C_PERF_OFF]:t[C_PERF_OFF] + t[C_PERF]] if t[C_PERF] else None
-        chunks.append(Chunk(t[C_ROW0], t[C_ROW1], t[C_SEG0], t[C_SEG1], exact, perf,
-                            plan[t[C_RPTR_OFF]:t[C_RPTR_OFF] + t[C_SEG1] - t[C_SEG0] + 1],
-                            reduction(t, C_RECEIVERS), reduction(t, C_SEGMENTS), rrow[t[C_ROW0]:t[C_ROW1]]))
-    return Plan(chunks, head[H_PIECE_ROWS], bool(head[H_COVERED]))
+    return host
 
 
 def cached_plan(csr, receiver_csr, threshold: float, dtype: torch.dtype, channels: int, heads: int,
                 chunk_rows: int | None = None) -> torch.Tensor:
-    """The fused plan of ``csr`` for this segment split and layer shape, cached on ``csr``.
+    """The fused plan of ``csr`` for this segment split and layer shape, cached on ``csr`` with its
+    host view (:func:`read_plan`).
 
     What the public op passes as ``exact_plan`` on CUDA, so that a call reads
     its plan instead of building it (docs/design.md §9).

@@ -11,16 +11,23 @@ head h of y is [gate half (D) | value half (D)] and the value half is read).
 
 * ``_gate_kernel``: gamma = mean of GELU(gate half) per (row, head), or
   sigmoid(gamma) for ``gated_sum``.
-* ``_reduce_kernel``: one launch per item class (slots of 2^k rows): a
-  program gathers BLOCK_G items' rows whole (through ``rrow`` for receivers,
-  directly for segments), reduces each item with ``tl.sum`` / ``tl.max`` over
-  its slot (one step unless the slot is taller than the tile) and either
-  merges the result into the destination's running state (an item that is a
-  whole group: the only writer of that destination in this chunk) or stores it
-  as a partial state in a scratch slot (a piece of a split group).
+* ``_reduce_kernel``: one launch for every item class of a list (no program
+  for an empty class): a program takes BLOCK_G items of one class k (slots of
+  2^k rows; the tallest class's programs first), gathers their rows whole
+  (through ``rrow`` for receivers, directly for segments), reduces each item
+  with ``tl.sum`` / ``tl.max`` over its slot (one step unless the slot is
+  taller than the tile) and either merges the result into the destination's
+  running state (an item that is a whole group: the only writer of that
+  destination in this chunk) or stores it as a partial state in a scratch
+  slot (a piece of a split group).
 * ``_merge_kernel``: per split group, its pieces' partial states in slot
   order, BLOCK_P at a time (each block a fixed tree), merged into the running
-  state.
+  state (launched only for a list with split groups).
+
+Arguments that vary between graphs, chunks or calls (row counts, offsets,
+scratch planes) are not specialised (``do_not_specialize``), nor is the
+alignment of the state pointers, which may be views (d_centre's rows from a
+chunk's first segment): one compiled kernel per layer shape.
 * ``_normalize_kernel``: the centre softmax's second pass, exp(gamma - M) / L
   per row from its segment's log-sum-exp state.
 
@@ -44,7 +51,8 @@ import triton.language as tl
 
 from nt_kernels.backends.triton.common import cast
 from nt_kernels.backends.triton.ntconv_gemm import gelu
-from nt_kernels.backends.triton.ntconv_plan import merge_tiles, normalize_tiles, reduce_tiles
+from nt_kernels.backends.triton.ntconv_plan import (REDUCE_CLASSES, merge_tiles, normalize_tiles, reduce_launch,
+                                                     reduce_tiles)
 
 __all__ = ["AGG_GATED", "AGG_LSE", "AGG_MAX", "AGG_SOFTMAX", "AGG_SUM", "State", "gate_values", "receive", "reduce",
            "segment_softmax", "segment_sum", "tile_shape"]
@@ -62,7 +70,7 @@ def tile_shape(heads: int, dim: int, elements: int = TILE_ELEMENTS) -> tuple[int
     return max(1, min(32, elements // (bh * bd))), bh, bd
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _gate_kernel(y, gate, R, H, D, C_OUT, SIGMOID: tl.constexpr, BLOCK_E: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -163,16 +171,16 @@ def _store_part(part, slot, mask, PLANE, MODE: tl.constexpr, total, m_i, l_i, ke
 
 
 @triton.jit
-def _reduce_kernel(x, gate, items, rrow, acc, run_max, run_sum, count, part, out_type, item0, num_items, C, H, D,
-                   ROW, KEY_OFF, PLANE, MODE: tl.constexpr, APPLY_GELU: tl.constexpr, GATHER: tl.constexpr,
-                   SLOT_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                   BF16_EMU: tl.constexpr):
-    # Step 1: BLOCK_G items (dest, first, end) of one size class (at most SLOT_ROWS rows each) and
-    # BLOCK_C channels; channel c is (head c // D, dim c % D), for the gated modes at column
-    # head * 2D + D + dim (the value half).
-    gi = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_valid = gi < num_items
-    it = (item0 + gi).to(tl.int64) * 3
+def _reduce_items(x, gate, items, rrow, acc, run_max, run_sum, count, part, out_type, item0, item1, C, H, D, ROW,
+                  KEY_OFF, PLANE, MODE: tl.constexpr, APPLY_GELU: tl.constexpr, GATHER: tl.constexpr,
+                  SLOT_ROWS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BF16_EMU: tl.constexpr):
+    # Step 1: the items item0 .. min(item0 + BLOCK_G, item1) (dest, first, end) of one size class (at
+    # most SLOT_ROWS rows each) and BLOCK_C channels; channel c is (head c // D, dim c % D), for the
+    # gated modes at column head * 2D + D + dim (the value half).
+    gi = item0 + tl.arange(0, BLOCK_G)
+    g_valid = gi < item1
+    it = gi.to(tl.int64) * 3
     dest = tl.load(items + it, mask=g_valid, other=0)
     first = tl.load(items + it + 1, mask=g_valid, other=0)
     length = tl.load(items + it + 2, mask=g_valid, other=0) - first
@@ -229,6 +237,48 @@ def _reduce_kernel(x, gate, items, rrow, acc, run_max, run_sum, count, part, out
 
 
 @triton.jit
+def _reduce_class(x, gate, items, bounds, rrow, acc, run_max, run_sum, count, part, out_type, local, C, H, D, ROW,
+                  KEY_OFF, PLANE, K: tl.constexpr, MODE: tl.constexpr, APPLY_GELU: tl.constexpr,
+                  GATHER: tl.constexpr, ROWS: tl.constexpr, STATE_ITEMS: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BF16_EMU: tl.constexpr):
+    """Class K's share of the launch: its programs (ceil(items / BLOCK_G)) are returned; program
+    ``local`` of them, if it is one, reduces its BLOCK_G items.  Tiles as ``ntconv_plan.reduce_tiles``:
+    slots of 2^K rows read BLOCK_E = min(2^K, ROWS) rows per step, BLOCK_G = min(ROWS / BLOCK_E,
+    STATE_ITEMS) items per program."""
+    SLOT: tl.constexpr = 1 << K
+    BLOCK_E: tl.constexpr = SLOT if SLOT < ROWS else ROWS
+    FIT: tl.constexpr = ROWS // BLOCK_E
+    CAP: tl.constexpr = FIT if FIT < STATE_ITEMS else STATE_ITEMS
+    BLOCK_G: tl.constexpr = CAP if CAP > 1 else 1
+    lo = tl.load(bounds + K).to(tl.int32)
+    hi = tl.load(bounds + K + 1).to(tl.int32)
+    programs = (hi - lo + BLOCK_G - 1) // BLOCK_G
+    if (local >= 0) & (local < programs):
+        _reduce_items(x, gate, items, rrow, acc, run_max, run_sum, count, part, out_type, lo + local * BLOCK_G, hi,
+                      C, H, D, ROW, KEY_OFF, PLANE, MODE, APPLY_GELU, GATHER, SLOT, BLOCK_G, BLOCK_E, BLOCK_C,
+                      BF16_EMU)
+    return programs
+
+
+@triton.jit(do_not_specialize=["KEY_OFF", "PLANE"],
+            do_not_specialize_on_alignment=["acc", "run_max", "run_sum", "count", "part", "out_type"])
+def _reduce_kernel(x, gate, items, bounds, rrow, acc, run_max, run_sum, count, part, out_type, C, H, D, ROW,
+                   KEY_OFF, PLANE, MODE: tl.constexpr, APPLY_GELU: tl.constexpr, GATHER: tl.constexpr,
+                   CLASSES: tl.constexpr, ROWS: tl.constexpr, STATE_ITEMS: tl.constexpr, BLOCK_C: tl.constexpr,
+                   BF16_EMU: tl.constexpr):
+    # Step 0: one launch for every size class: the programs of the tallest class first (the longest
+    # programs start first), each class's items (bounds[k]:bounds[k+1]) in blocks of its BLOCK_G;
+    # this program reduces one block (_reduce_class, _reduce_items).  An empty class has no programs.
+    pid = tl.program_id(0)
+    first = 0
+    for i in tl.static_range(CLASSES):
+        first += _reduce_class(x, gate, items, bounds, rrow, acc, run_max, run_sum, count, part, out_type, pid - first,
+                               C, H, D, ROW, KEY_OFF, PLANE, CLASSES - 1 - i, MODE, APPLY_GELU, GATHER, ROWS,
+                               STATE_ITEMS, BLOCK_C, BF16_EMU)
+
+
+@triton.jit(do_not_specialize=["split0", "KEY_OFF", "PLANE"],
+            do_not_specialize_on_alignment=["part", "acc", "run_max", "run_sum", "count"])
 def _merge_kernel(splits, part, acc, run_max, run_sum, count, split0, C, KEY_OFF, PLANE, MODE: tl.constexpr,
                   BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     # Step 1: one split group (dest, slot0, slot1) and BLOCK_C channels.
@@ -270,7 +320,7 @@ def _merge_kernel(splits, part, acc, run_max, run_sum, count, split0, C, KEY_OFF
                  has_nan)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg0", "R"])
 def _normalize_kernel(gate, seg_of_row, run_max, run_sum, seg0, R, H, BLOCK_R: tl.constexpr,
                       BLOCK_H: tl.constexpr):
     # gate[r, h] = exp(gate[r, h] - M[s, h]) / L[s, h] for the segment s of row r, in place.
@@ -324,7 +374,11 @@ def reduce(state: State, x: torch.Tensor, red, *, channels: int, heads: int, row
            rrow: torch.Tensor | None = None, gate: torch.Tensor | None = None, apply_gelu: bool = False,
            bf16_emu: bool = False) -> None:
     """Merge the reduction list ``red`` (ntconv_plan.Reduction) of the rows of x (row stride ``row``)
-    into ``state``: rows through ``rrow`` (receivers) or x's own rows (segments)."""
+    into ``state``: rows through ``rrow`` (receivers) or x's own rows (segments).  One launch for
+    every item class (none for an empty list), and one more when the list has split groups."""
+    programs = red.programs(channels)
+    if not programs:
+        return
     dim = channels // heads
     key_off = state.count[0].numel() if mode == AGG_MAX else 0
     plane = red.slots * channels
@@ -333,14 +387,14 @@ def reduce(state: State, x: torch.Tensor, red, *, channels: int, heads: int, row
     out_type = state.out_type if mode == AGG_MAX else state.acc
     part = (torch.empty((PLANES[mode], red.slots, channels), dtype=torch.float32, device=x.device)
             if red.slots else state.acc)
-    for slot_rows, item0, num in red.classes():
-        t = reduce_tiles(channels, slot_rows)
-        _reduce_kernel[(triton.cdiv(num, t.block_g), triton.cdiv(channels, t.block_c))](
-            x, x if gate is None else gate, red.items, red.items if rrow is None else rrow, state.acc, state.run_max,
-            state.run_sum, state.count, part, out_type, item0, num, channels, heads, dim, row, key_off, plane,
-            MODE=mode, APPLY_GELU=apply_gelu, GATHER=rrow is not None, SLOT_ROWS=slot_rows, BLOCK_G=t.block_g,
-            BLOCK_E=t.block_e, BLOCK_C=t.block_c, BF16_EMU=bf16_emu and mode == AGG_MAX, num_warps=t.num_warps,
-            num_stages=t.num_stages)
+    block_c, rows, state_items = reduce_launch(channels)
+    t = reduce_tiles(channels, 1)
+    _reduce_kernel[(programs, triton.cdiv(channels, block_c))](
+        x, x if gate is None else gate, red.items, red.device_bounds, red.items if rrow is None else rrow, state.acc,
+        state.run_max, state.run_sum, state.count, part, out_type, channels, heads, dim, row, key_off, plane,
+        MODE=mode, APPLY_GELU=apply_gelu, GATHER=rrow is not None, CLASSES=REDUCE_CLASSES, ROWS=rows,
+        STATE_ITEMS=state_items, BLOCK_C=block_c, BF16_EMU=bf16_emu and mode == AGG_MAX, num_warps=t.num_warps,
+        num_stages=t.num_stages)
     if red.num_split:
         block_p, block_c = merge_tiles(channels)
         _merge_kernel[(red.num_split, triton.cdiv(channels, block_c))](

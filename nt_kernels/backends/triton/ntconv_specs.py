@@ -47,7 +47,7 @@ def launches(spec: Spec) -> list[tuple[object, dict, dict]]:
 def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
     """The prologue and the weight-gradient kernels at the tiles the plan picks for LAYER_SHAPES."""
     prologue = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, b_qkv=t, receiver="*i64", perm="*i64",
-                    seg_of_row="*i64", qkv=t, z_out=t, jac_out=t, row0="i32", R="i32", seed_word="i64",
+                    seg_of_row="*i64", qkv=t, z_out=t, jac_out=t, row0="i32", R="i32", PART="i32", seed_word="i32",
                     threshold="i32", drop_scale="fp32")
     wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", row0="i32")
     dot = dict(base, DOT_DTYPE=ntconv_wgrad.TL_DTYPES[getattr(torch, TORCH_TYPES[dtype])])
@@ -68,13 +68,13 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
             specs.append(Spec(f"weight_grad {name} C{c} F{f}", ntconv_wgrad._weight_grad_kernel, wgrad,
                               dict(dot, M_PART=m, N=n, PARTS=parts, A_ROW=m, B_ROW=n, SPLIT_ROWS=w.split_rows,
                                    BLOCK_R=w.block_r, BLOCK_M=w.block_m, BLOCK_N=w.block_n, HAS_BIAS=bias,
-                                   GATHER=gather),
+                                   GATHER=gather, PART_ALIGN=ntconv_plan.PART_ROWS if parts > 1 else 1),
                               dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
     for c in sorted({c for c, _, _ in LAYER_SHAPES if ntconv_gemm.fused_centre(c)}):
         width = ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS)
         specs += [Spec(f"du{' + d_centre' if centre else ''} C{c}", ntconv_gemm._du_kernel,
                        dict(dqkv=t, w_qkv=t, jac=t, seg_of_row="*i64", rowptr="*i64", du=t, d_centre="*fp32",
-                            part="*fp32", R="i32", seg0="i32"),
+                            part="*fp32", R="i32", PART="i32", seg0="i32"),
                        dict(base, C=c, BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=width, BLOCK_K=ntconv_gemm.BLOCK_K,
                             CENTRE=centre), dict(num_warps=4, num_stages=2)) for centre in (False, True)]
         specs.append(Spec(f"centre_fixup C{c}", ntconv_gemm._centre_fixup_kernel,
@@ -93,7 +93,7 @@ def compile_specs(dtype: str) -> list[Spec]:
     t = "*" + dtype
     base = dict(DOT_PREC="ieee", BF16_EMU=False)
     gemm = dict(a=t, w=t, bias=t, mul=t, out=t, R="i32", K="i32", N="i32", A_SPLIT="i32",
-                A_PART="i64", A_ROW="i32", W_K="i32", W_N="i32")
+                A_PART="i32", A_ROW="i32", W_K="i32", W_N="i32")
     grad = dict(y=t, g_out=t, out=t, stats="*fp32", keys="*fp32", recv_rowptr="*i64", gate="*fp32", seg_sum="*fp32",
                 seg_of_row="*i64", receiver="*i64", w_out=t, dy=t, do=t, wa="*fp32", row0="i32", seg0="i32", R="i32")
     gemm_k = dict(base, BLOCK_N=128, BLOCK_K=ntconv_gemm.BLOCK_K)
@@ -128,16 +128,16 @@ REDUCTIONS = ([(f"receive{m} C{c}", m, c, True, True) for m in range(4) for c in
 
 
 def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
-    """The reduce kernel at the smallest and tallest item class of every use in REDUCTIONS, the merge
+    """The reduce kernel (every item class in one launch) for every use in REDUCTIONS, the merge
     kernel in every mode (0 and 1 share their code: mode 0 only), the centre softmax's normalisation.
     The reductions of per-row values (y, du) read them in the parameters' dtype, so they are compiled
     for every operand dtype; the log-sum-exp of the (fp32) gates, the merge (fp32 partial states, except
     the max mode's output type) and the normalisation read fp32, so for other operand dtypes
     (``all_modes`` False) only their max mode and the normalisation are compiled again (so that every
     dtype lists every kernel)."""
-    reduce_types = dict(x=t, gate="*fp32", items="*i32", rrow="*i32", acc="*fp32", run_max="*fp32",
-                        run_sum="*fp32", count="*fp32", part="*fp32", out_type=t, item0="i32", num_items="i32",
-                        C="i32", H="i32", D="i32", ROW="i32", KEY_OFF="i32", PLANE="i32")
+    reduce_types = dict(x=t, gate="*fp32", items="*i32", bounds="*i64", rrow="*i32", acc="*fp32", run_max="*fp32",
+                        run_sum="*fp32", count="*fp32", part="*fp32", out_type=t, C="i32", H="i32", D="i32",
+                        ROW="i32", KEY_OFF="i32", PLANE="i32")
     merge_types = dict(splits="*i32", part="*fp32", acc="*fp32", run_max="*fp32", run_sum="*fp32", count="*fp32",
                        split0="i32", C="i32", KEY_OFF="i32", PLANE="i32")
     specs = []
@@ -145,12 +145,12 @@ def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
         if mode == 4 and not all_modes:
             continue
         types = dict(reduce_types, x="*fp32") if mode == 4 else reduce_types
-        for slot_rows in (1, 1 << (ntconv_plan.REDUCE_CLASSES - 1)):
-            tiles = ntconv_plan.reduce_tiles(channels, slot_rows)
-            specs.append(Spec(f"reduce {name} S{slot_rows}", ntconv_reduce._reduce_kernel, types,
-                              dict(MODE=mode, APPLY_GELU=gelu, GATHER=gather, SLOT_ROWS=slot_rows,
-                                   BLOCK_G=tiles.block_g, BLOCK_E=tiles.block_e, BLOCK_C=tiles.block_c, BF16_EMU=False),
-                              dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)))
+        block_c, rows, state_items = ntconv_plan.reduce_launch(channels)
+        tiles = ntconv_plan.reduce_tiles(channels, 1)
+        specs.append(Spec(f"reduce {name}", ntconv_reduce._reduce_kernel, types,
+                          dict(MODE=mode, APPLY_GELU=gelu, GATHER=gather, CLASSES=ntconv_plan.REDUCE_CLASSES,
+                               ROWS=rows, STATE_ITEMS=state_items, BLOCK_C=block_c, BF16_EMU=False),
+                          dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)))
     merges = [(m, c) for m in (0, 2, 3) for c in (60, 256) if all_modes or m == 3] + ([(4, 16)] if all_modes else [])
     for mode, channels in merges:
         block_p, block_c = ntconv_plan.merge_tiles(channels)

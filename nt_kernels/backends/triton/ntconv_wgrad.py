@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import cast, mm
-from nt_kernels.backends.triton.ntconv_plan import weight_grad_tiles
+from nt_kernels.backends.triton.ntconv_plan import PART_ROWS, weight_grad_tiles
 
 __all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "weight_grad"]
 
@@ -52,11 +52,14 @@ ONES = tl.constexpr(16)  # columns of the ones block of the bias sums (the small
 
 
 @triton.jit(do_not_specialize=["R", "row0"])
-def _weight_grad_kernel(a, b, index, partials, R, row0, M_PART: tl.constexpr, N: tl.constexpr, PARTS: tl.constexpr,
-                        A_ROW: tl.constexpr, B_ROW: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+def _weight_grad_kernel(a, b, index, partials, R, row0, M_PART: tl.constexpr, N: tl.constexpr,
+                        PARTS: tl.constexpr, A_ROW: tl.constexpr, B_ROW: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        GATHER: tl.constexpr, PART_ALIGN: tl.constexpr,
                         DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    # A is PARTS stacked (R, M_PART) blocks of row stride A_ROW (part p at p R A_ROW: the (3, R, C) dqkv);
+    # A is PARTS stacked (PART, M_PART) blocks of row stride A_ROW, PART = R padded to a multiple of PART_ALIGN
+    # (part p at p PART A_ROW: the (3, part_rows, C) dqkv, PART_ALIGN = 8 in the op, so every part starts as
+    # aligned as the first and the compiler sees it);
     # B[r, n] at row(r) B_ROW + n with row(r) = index[row0 + r] when GATHER, else r.  partials is
     # (splits, PARTS M_PART, N + HAS_BIAS) fp32.  Every stride is a compile-time constant, so the
     # compiler sees the rows' alignment (C = 60: 8 bytes in bf16) and vectorises the loads.
@@ -66,7 +69,7 @@ def _weight_grad_kernel(a, b, index, partials, R, row0, M_PART: tl.constexpr, N:
     m = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
-    a_part = a + part.to(tl.int64) * R * A_ROW
+    a_part = a + part.to(tl.int64) * ((R + PART_ALIGN - 1) // PART_ALIGN * PART_ALIGN) * A_ROW
     m_valid = m < M_PART
     n_valid = n < N
     first = split * SPLIT_ROWS
@@ -94,7 +97,7 @@ def _weight_grad_kernel(a, b, index, partials, R, row0, M_PART: tl.constexpr, N:
             tl.store(base + m * WIDTH + N, tl.sum(tl.where(first_column, bias, 0.0), axis=1), mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def _combine_kernel(partials, w_acc, b_acc, S, M, N, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK: tl.constexpr):
     # Step 1: the sum over splits 0..S of BLOCK flat elements of the (M, N + HAS_BIAS) partials, in split order.
@@ -122,22 +125,29 @@ def weight_grad(w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, a_row, b_row
                 index=None, row0=0):
     """w_acc (m, n) += Aᵀ B and, when ``b_acc`` is given, b_acc (m) += column sums of A, over ``rows``
     rows: A[r, i] at (i // a_split) a_part + r a_row + i % a_split, where a part (a_split columns) is
-    a contiguous (rows, a_row) block (a_part = rows a_row; the (3, R, C) dqkv: three parts); B rows
+    a contiguous (a_part / a_row, a_row) block of ``rows`` rows or of ``rows`` padded to a multiple of
+    PART_ROWS (the (3, part_rows, C) dqkv of the op: three parts); B rows
     gathered through ``index[row0 + r]`` when given; operands rounded to ``dtype``; both accumulators
     fp32 and contiguous."""
     if rows == 0:
         return
     parts = m // a_split
-    if parts * a_split != m or (parts > 1 and a_part != rows * a_row):
-        raise ValueError(f"weight_grad: A must be {m // max(a_split, 1)} parts of {a_split} columns, "
-                         f"each a (rows, a_row) block; got a_split={a_split}, a_part={a_part}")
+    # Rows per part: ``rows`` padded to a multiple of part_align (1 for one part, whose offset is 0: one
+    # configuration per use whatever the chunk).
+    padded = -(-rows // PART_ROWS) * PART_ROWS
+    part_align = PART_ROWS if parts > 1 and a_part == padded * a_row else 1
+    if parts * a_split != m or (parts > 1 and a_part != (padded if part_align > 1 else rows) * a_row):
+        raise ValueError(f"weight_grad: A must be {m // max(a_split, 1)} parts of {a_split} columns, each a "
+                         f"(rows, a_row) block or one of rows padded to a multiple of {PART_ROWS}; got "
+                         f"a_split={a_split}, a_part={a_part}")
     has_bias = b_acc is not None
     t = weight_grad_tiles(rows, a_split, n, torch.empty(0, dtype=dtype).element_size())
     partials = torch.empty((t.splits, m, n + has_bias), dtype=torch.float32, device=w_acc.device)
     grid = (parts * triton.cdiv(a_split, t.block_m), triton.cdiv(n, t.block_n), t.splits)
-    _weight_grad_kernel[grid](a, b, b if index is None else index, partials, rows, row0, M_PART=a_split, N=n,
-                              PARTS=parts, A_ROW=a_row, B_ROW=b_row, SPLIT_ROWS=t.split_rows, BLOCK_R=t.block_r,
-                              BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_BIAS=has_bias, GATHER=index is not None,
+    _weight_grad_kernel[grid](a, b, b if index is None else index, partials, rows, row0,
+                              M_PART=a_split, N=n, PARTS=parts, A_ROW=a_row, B_ROW=b_row, SPLIT_ROWS=t.split_rows,
+                              BLOCK_R=t.block_r, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_BIAS=has_bias,
+                              GATHER=index is not None, PART_ALIGN=part_align,
                               DOT_DTYPE=TL_DTYPES[dtype], DOT_PREC=dot_prec, BF16_EMU=bf16_emu,
                               num_warps=t.num_warps, num_stages=NUM_STAGES)
     _combine_kernel[(triton.cdiv(m * (n + has_bias), COMBINE_BLOCK),)](

@@ -31,7 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_TILE_OFF, H_TILES, LN2, LOG2E_C, cast, finite_or_zero, mm)
+from nt_kernels.backends.triton.common import (H_TILE_OFF, H_TILES, LN2, LOG2E_C, LSE_UNALIGNED, cast, finite_or_zero,
+                                               mm)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -114,7 +115,7 @@ def segment_flag(flag, same):
     return tl.max(tl.where(same, flag[:, None, :], 0), axis=2) > 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _fwd_heads_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, qk_scale,
                       H: tl.constexpr, D: tl.constexpr, CLASS: tl.constexpr, TILE: tl.constexpr,
                       TILES: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr,
@@ -138,7 +139,7 @@ def _fwd_heads_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, qk_scale,
         tl.store(lse_ptr + row * H + h[:, None], (m + tl.log2(denom)) * LN2, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_heads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr, plan, scale, qk_scale,
                       H: tl.constexpr, D: tl.constexpr, CLASS: tl.constexpr, TILE: tl.constexpr,
                       TILES: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr,

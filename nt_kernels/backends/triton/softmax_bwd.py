@@ -25,12 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, Spec,
-                                               block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, num_programs, packed_classes,
-                                               packed_rows, packed_spec, segment_any)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, LSE_UNALIGNED,
+                                               Spec, block_d, cast, exact_launches, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, packed_rows, packed_spec, segment_any)
 from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
+from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
 
 @triton.jit
@@ -40,7 +39,7 @@ def store_rows(ptr, offs, valid, d, D, x, BF16_EMU: tl.constexpr):
              mask=valid[:, None] & (d[None, :] < D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_packed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
                        plan, H, D, scale, qk_scale,
                        CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -93,7 +92,7 @@ def multi_block(plan, tab, w, H, BLOCK: tl.constexpr):
     return start, n, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                    plan, H, D, scale, qk_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -129,7 +128,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
         store_rows(dq_ptr, q_offs, q_valid, d, D, dq * scale, BF16_EMU)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                      plan, H, D, scale, qk_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -184,28 +183,36 @@ def bwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: i
                 config["num_warps"], config["num_stages"])
 
 
-def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False):
+def bwd_launches(q, args: dict, allow_tf32: bool = False, work=None) -> list[tuple[str, Spec, tuple]]:
+    """(kernel, spec, grid) of every backward launch (``common.exact_launches``): the packed classes,
+    then the multi-tile dQ and dK/dV passes; only those with ``work`` when it is given."""
+    dtype, heads, head_dim = q.dtype, q.shape[1], q.shape[2]
+    return exact_launches(
+        q, work, "bwd_packed",
+        lambda cfg, c, tile: bwd_spec("bwd_packed", cfg, dtype, heads, head_dim, c, tile, allow_tf32),
+        {kernel: (lambda cfg, kernel=kernel: bwd_spec(kernel, cfg, dtype, heads, head_dim, allow_tf32=allow_tf32))
+         for kernel in ("bwd_dq", "bwd_dkdv")}, args)
+
+
+def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False, work=None, memo=None):
     """Write dq, dk, dv (E, H, D) for the rows named in ``plan``.
 
     ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
     shared_memory_per_block(q.device))`` (the packed classes above it are not
     launched).  Each kernel runs the config of the table (configs.py) for
-    q's dtype, head dim and device.
+    q's dtype, head dim and device; ``work`` and ``memo`` as in
+    ``softmax_fwd.softmax_fwd``.
     """
     E, H, D = q.shape
-    grid = (num_programs(q.device),)
     scale = float(scale)
     common = dict(q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=grad_o, lse_ptr=lse, plan=plan, scale=scale,
                   qk_scale=scale * LOG2E)
-    packed = dict(common, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv)
-    for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
-        spec = choose_spec("bwd_packed", lambda cfg: bwd_spec("bwd_packed", cfg, q.dtype, H, D, c, tile, allow_tf32),
-                           q, tile, grid, packed)
-        launch(spec, grid, **packed)
     # Multi-tile segments: dQ pass (writes delta), then the dK/dV pass.
     delta = torch.empty((E, H), dtype=torch.float32, device=q.device)
-    for kernel, tensors in (("bwd_dq", dict(common, o_ptr=o, delta_ptr=delta, dq_ptr=dq)),
-                            ("bwd_dkdv", dict(common, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv))):
-        spec = choose_spec(kernel, lambda cfg: bwd_spec(kernel, cfg, q.dtype, H, D, allow_tf32=allow_tf32),
-                           q, None, grid, tensors)
-        launch(spec, grid, **tensors)
+    args = {"bwd_packed": dict(common, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv),
+            "bwd_dq": dict(common, o_ptr=o, delta_ptr=delta, dq_ptr=dq),
+            "bwd_dkdv": dict(common, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv)}
+    key = ("bwd", q.dtype, H, D, q.device, allow_tf32, work)
+    build = lambda: bwd_launches(q, args, allow_tf32, work)  # noqa: E731
+    for kernel, spec, grid in build() if memo is None else memo(key, build):
+        launch(spec, grid, **args[kernel])

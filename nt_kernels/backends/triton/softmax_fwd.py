@@ -23,15 +23,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, Spec,
-                                               block_d, cast, choose_spec, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, num_programs, packed_classes,
-                                               packed_rows, packed_spec, segment_any)
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, LSE_UNALIGNED,
+                                               Spec, block_d, cast, exact_launches, finite_or_zero, launch, load_rows,
+                                               meta_args, mm, nonfinite_rows, packed_rows, packed_spec, segment_any)
 from nt_kernels.backends.triton.packed_heads import _fwd_heads_kernel
-from nt_kernels.backends.triton.plan import PLAN_BLOCK, shared_memory_per_block
+from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _fwd_packed_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
                        CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
                        DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
@@ -65,7 +64,7 @@ def _fwd_packed_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale
         tl.store(lse_ptr + row * H + h, (m + tl.log2(denom)) * LN2, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _fwd_multi_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
@@ -121,21 +120,29 @@ def fwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: i
                                         BLOCK_D=block_d(head_dim)), config["num_warps"], config["num_stages"])
 
 
-def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False):
+def fwd_launches(q, tensors: dict, allow_tf32: bool = False, work=None) -> list[tuple[str, Spec, tuple]]:
+    """(kernel, spec, grid) of every forward launch (``common.exact_launches``): each packed class,
+    then the multi-tile kernel; only those with ``work`` when it is given."""
+    dtype, heads, head_dim = q.dtype, q.shape[1], q.shape[2]
+    return exact_launches(
+        q, work, "fwd_packed",
+        lambda cfg, c, tile: fwd_spec("fwd_packed", cfg, dtype, heads, head_dim, c, tile, allow_tf32),
+        {"fwd_multi": lambda cfg: fwd_spec("fwd_multi", cfg, dtype, heads, head_dim, allow_tf32=allow_tf32)},
+        {"fwd_packed": tensors, "fwd_multi": tensors})
+
+
+def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, work=None, memo=None):
     """Write o (E, H, D) and lse (E, H) float32 for the rows named in ``plan``.
 
     ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
     shared_memory_per_block(q.device))`` (the packed classes above it are not
     launched).  Each kernel runs the config of the table (configs.py) for
-    q's dtype, head dim and device.
+    q's dtype, head dim and device.  ``work`` (the plan's work counts, when the
+    host knows them) skips the kernels without work; ``memo(key, build)`` (a
+    fused plan's ``Plan.memo``) keeps the launch list for later calls.
     """
-    _, H, D = q.shape
-    grid = (num_programs(q.device),)
     tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, plan=plan, qk_scale=float(scale) * LOG2E)
-    for c, tile in packed_classes(q.dtype, D, shared_memory_per_block(q.device)):
-        spec = choose_spec("fwd_packed", lambda cfg: fwd_spec("fwd_packed", cfg, q.dtype, H, D, c, tile, allow_tf32),
-                           q, tile, grid, tensors)
+    key = ("fwd", q.dtype, q.shape[1], q.shape[2], q.device, allow_tf32, work)
+    build = lambda: fwd_launches(q, tensors, allow_tf32, work)  # noqa: E731
+    for _, spec, grid in build() if memo is None else memo(key, build):
         launch(spec, grid, **tensors)
-    spec = choose_spec("fwd_multi", lambda cfg: fwd_spec("fwd_multi", cfg, q.dtype, H, D, allow_tf32=allow_tf32),
-                       q, None, grid, tensors)
-    launch(spec, grid, **tensors)
