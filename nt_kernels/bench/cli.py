@@ -411,9 +411,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--docs-dir", default=".",
                    help="where --plot writes the figures and results.md (default: the current directory)")
     p.set_defaults(func=run)
-    from nt_kernels.bench import layer
+    from nt_kernels.bench import layer, layer_profile
 
     layer.add_arguments(p)
+    layer_profile.add_arguments(p)
     return p
 
 
@@ -424,6 +425,10 @@ def run(args) -> int:
         if args.threads < 1:
             raise SystemExit(f"bench: --threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.profile or args.isa or args.clock_ghz:
+        from nt_kernels.bench import layer_profile
+
+        return layer_profile.run(args)
     if args.layer:
         return layer.run(args)
     if args.from_json:
