@@ -94,12 +94,13 @@ def cpu_paths() -> dict:
     """Which vector kernels run on this CPU, for logs and reproducibility reports.
 
     ``torch_capability``: the kernels torch picked (``ATEN_CPU_CAPABILITY`` lowers it);
-    ``nt_kernels_isa``: this package's CPU kernel path (``NT_KERNELS_CPU_ISA=base|avx2``
-    forces one); ``torch_capabilities`` and ``nt_kernels_isa_paths``: every value of
-    each that this CPU can run.
+    ``nt_kernels_isa``: this package's CPU kernel path (``NT_KERNELS_CPU_ISA=base|avx2|avx512``
+    forces one; by default the widest this CPU has); ``torch_capabilities`` and
+    ``nt_kernels_isa_paths``: every value of each that this CPU (and, for the latter,
+    this build) can run, narrowest first.
     """
     features = extension().cpu_features()
     capabilities = ["default"] + (["avx2"] if features["avx2_fma"] else []) + (["avx512"] if features["avx512"] else [])
     return {"torch_capability": torch.backends.cpu.get_cpu_capability().lower(),
             "torch_capabilities": capabilities, "nt_kernels_isa": extension().cpu_isa(),
-            "nt_kernels_isa_paths": ["base", "avx2"] if features["avx2_fma"] else ["base"]}
+            "nt_kernels_isa_paths": list(extension().cpu_isa_paths())}

@@ -12,8 +12,11 @@ backend now decides max ties on the pre-activations (docs/design.md §9, "Max ti
   edges, zeroed output rows, strided inputs) give the same forward and
   gradients in the fused CPU op, the composition and the reference;
 * the numerics-sensitive tests rerun in subprocesses under every
-  ``NT_KERNELS_CPU_ISA`` path and every ``ATEN_CPU_CAPABILITY`` this CPU has;
-* a seeded training run gives the same losses on both ISA paths within
+  ``NT_KERNELS_CPU_ISA`` path (base, avx2, avx512: issue 31) and every
+  ``ATEN_CPU_CAPABILITY`` this CPU has, and so do the CPU kernels' float32 and
+  half-precision numerics tests on every path but the default (widest) one,
+  which the parent process runs; a path the machine lacks is a skip naming why;
+* a seeded training run gives the same losses on every ISA path within
   ``ISA_LOSS_RTOL``.
 """
 from __future__ import annotations
@@ -30,14 +33,14 @@ import torch.nn.functional as F
 
 import nt_reference.nn as ref
 from helpers import assert_close
-from nt_kernels._extension import cpu_paths
+from nt_kernels._extension import cpu_paths, extension
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn import NTConv
 from nt_kernels.nn.aggregate import aggregate
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = "NT_KERNELS_ISA_CHILD"  # set in the subprocesses, which must not spawn again
-ISA_LOSS_RTOL = 1e-5  # docs/design.md §9, "Max ties": float32 losses on the base and avx2 paths
+ISA_LOSS_RTOL = 1e-5  # docs/design.md §9, "Max ties": float32 losses on every ISA path
 
 
 def tie_graph(num_centres: int, repeats: int, seed: int) -> tuple[torch.Tensor, int]:
@@ -138,17 +141,32 @@ def test_max_ties_on_keys_survive_torch_gelu_rounding(rows, channels):
 
 
 # --------------------------------------------------- every ISA path, in subprocesses
-def isa_environments() -> list[dict[str, str]]:
-    """Every (NT_KERNELS_CPU_ISA, ATEN_CPU_CAPABILITY) pair this CPU can run."""
-    paths = cpu_paths()
-    return [{"NT_KERNELS_CPU_ISA": isa, "ATEN_CPU_CAPABILITY": cap}
-            for isa in paths["nt_kernels_isa_paths"] for cap in paths["torch_capabilities"]]
-
-
+# What each path must prove, chosen so that CI does not pay for the full cross product:
+# * every NT_KERNELS_CPU_ISA path: our kernels' numerics, the float32 / half ones (float64 never
+#   takes the vector GEMM), and the tie tests, with torch at its own choice;
+# * every ATEN_CPU_CAPABILITY: the tie tests (torch's GELU rounding), with our widest path.
+# The widest path's kernel tests run in the parent process already (it is the default).
+PATHS = ("base", "avx2", "avx512")
 NUMERICS_TESTS = ["tests/test_isa.py::test_max_ties_at_many_layouts_agree_across_backends",
                   "tests/test_isa.py::test_max_ties_on_keys_survive_torch_gelu_rounding",
                   "tests/test_ntconv_layer.py::test_max_ties_match_the_reference_layer",
                   "tests/test_ntconv.py::test_max_tie_gradient_is_split_evenly"]
+KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_ntconv_kernel.py", "-k",
+                "not float64 and not bad_input and not checked and not autocast"]
+
+
+def missing_path_reason(isa: str) -> str | None:
+    """Why this machine cannot run ``isa``, or None if it can."""
+    if isa in cpu_paths()["nt_kernels_isa_paths"]:
+        return None
+    features = extension().cpu_features()
+    if isa == "avx512" and features["avx512"]:
+        return "this build has no AVX-512 kernels (its compiler lacks AVX-512 or the target is not x86)"
+    return f"this CPU has no {'AVX-512 F+BW+DQ+VL' if isa == 'avx512' else 'AVX2 + FMA'}"
+
+
+def widest_path() -> str:
+    return cpu_paths()["nt_kernels_isa_paths"][-1]
 
 
 def child_env(**extra) -> dict[str, str]:
@@ -158,16 +176,35 @@ def child_env(**extra) -> dict[str, str]:
     return env
 
 
+def run_child_tests(tests: list[str], **env) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=REPO, env=child_env(**env), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{env}: {proc.stdout[-3000:]}{proc.stderr[-1000:]}"
+
+
 @pytest.mark.skipif(os.environ.get(CHILD) == "1", reason="already a subprocess of this test")
-def test_numerics_tests_pass_under_every_isa_path():
-    """The tie and numerics tests above, rerun under each ISA pair; each child reports its path."""
-    failures = []
-    for extra in isa_environments():
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *NUMERICS_TESTS],
-                              cwd=REPO, env=child_env(**extra), capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            failures.append(f"{extra}: {proc.stdout[-2000:]}{proc.stderr[-1000:]}")
-    assert not failures, "\n".join(failures)
+@pytest.mark.parametrize("isa", PATHS)
+def test_numerics_tests_pass_on_every_isa_path(isa):
+    """Tie tests on every path; the kernels' float32 / half numerics tests on every path but the widest."""
+    if missing_path_reason(isa):
+        pytest.skip(missing_path_reason(isa))
+    run_child_tests(NUMERICS_TESTS, NT_KERNELS_CPU_ISA=isa)
+    if isa != widest_path():
+        run_child_tests(KERNEL_TESTS, NT_KERNELS_CPU_ISA=isa)
+
+
+@pytest.mark.skipif(os.environ.get(CHILD) == "1", reason="already a subprocess of this test")
+def test_tie_tests_pass_under_every_torch_capability():
+    """torch's vector kernels round GELU differently per capability; ties must not care."""
+    for cap in cpu_paths()["torch_capabilities"][:-1]:  # the last one, torch's default, ran above
+        run_child_tests(NUMERICS_TESTS, NT_KERNELS_CPU_ISA=widest_path(), ATEN_CPU_CAPABILITY=cap)
+
+
+def isa_environments() -> list[dict[str, str]]:
+    """Every NT_KERNELS_CPU_ISA path with torch's default, every torch capability with our widest path."""
+    paths = cpu_paths()
+    return ([{"NT_KERNELS_CPU_ISA": isa} for isa in paths["nt_kernels_isa_paths"]]
+            + [{"NT_KERNELS_CPU_ISA": widest_path(), "ATEN_CPU_CAPABILITY": cap} for cap in paths["torch_capabilities"]])
 
 
 def test_forced_paths_are_the_ones_that_run():
@@ -177,16 +214,38 @@ def test_forced_paths_are_the_ones_that_run():
                               timeout=120, check=True)
         got = json.loads(proc.stdout)
         assert got["nt_kernels_isa"] == extra["NT_KERNELS_CPU_ISA"]
-        assert got["torch_capability"].lower() == extra["ATEN_CPU_CAPABILITY"].lower()
+        if "ATEN_CPU_CAPABILITY" in extra:
+            assert got["torch_capability"].lower() == extra["ATEN_CPU_CAPABILITY"].lower()
+
+
+def test_auto_takes_the_widest_path():
+    code = "import nt_kernels._extension as e; print(e.cpu_paths()['nt_kernels_isa'])"
+    for value in ("auto", ""):
+        proc = subprocess.run([sys.executable, "-c", code], env=child_env(NT_KERNELS_CPU_ISA=value),
+                              capture_output=True, text=True, timeout=120, check=True)
+        assert proc.stdout.strip() == widest_path()
+
+
+ATTENTION_CALL = ("import torch, nt_kernels; from nt_kernels import segment_softmax_attention as f\n"
+                  "q = torch.randn(3, 1, 2); f(q, q, q, torch.tensor([0, 3]))")
 
 
 def test_unknown_isa_is_an_error_naming_the_variable():
-    code = ("import torch, nt_kernels; from nt_kernels import segment_softmax_attention as f\n"
-            "q = torch.randn(3, 1, 2); f(q, q, q, torch.tensor([0, 3]))")
-    proc = subprocess.run([sys.executable, "-c", code], env=child_env(NT_KERNELS_CPU_ISA="sse9"),
+    proc = subprocess.run([sys.executable, "-c", ATTENTION_CALL], env=child_env(NT_KERNELS_CPU_ISA="sse9"),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "NT_KERNELS_CPU_ISA must be one of auto, base, avx2, got 'sse9'" in proc.stderr
+    assert "NT_KERNELS_CPU_ISA must be one of auto, base, avx2, avx512, got 'sse9'" in proc.stderr
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_forcing_a_path_the_cpu_lacks_is_an_error(isa):
+    reason = missing_path_reason(isa)
+    if reason is None:
+        pytest.skip(f"this CPU and build run {isa}")
+    proc = subprocess.run([sys.executable, "-c", ATTENTION_CALL], env=child_env(NT_KERNELS_CPU_ISA=isa),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"NT_KERNELS_CPU_ISA={isa}, but this" in proc.stderr
 
 
 TRAIN = """
@@ -213,11 +272,12 @@ print(json.dumps(losses))
 
 
 @pytest.mark.skipif(len(cpu_paths()["nt_kernels_isa_paths"]) < 2, reason="this CPU has only the base path")
-def test_seeded_training_gives_the_same_losses_on_both_isa_paths():
+def test_seeded_training_gives_the_same_losses_on_every_isa_path():
     """float32 NT with the max aggregator, 8 Adam steps: losses equal within ISA_LOSS_RTOL."""
     losses = {}
-    for isa in ("base", "avx2"):
+    for isa in cpu_paths()["nt_kernels_isa_paths"]:
         proc = subprocess.run([sys.executable, "-c", TRAIN], env=child_env(NT_KERNELS_CPU_ISA=isa),
                               capture_output=True, text=True, timeout=300, check=True)
         losses[isa] = torch.tensor(json.loads(proc.stdout))
-    torch.testing.assert_close(losses["avx2"], losses["base"], rtol=ISA_LOSS_RTOL, atol=0)
+    for isa, values in losses.items():
+        torch.testing.assert_close(values, losses["base"], rtol=ISA_LOSS_RTOL, atol=0, msg=isa)

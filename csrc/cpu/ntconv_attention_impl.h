@@ -58,11 +58,16 @@ PerformerKeep<acc_t> performer_keep(const NtconvArgs<acc_t>& a, const ItemBuffer
   return keep;
 }
 
+// The stages (stage_profile.h) that the time of exact and of Performer segments goes to.
+struct AttentionStages {
+  Stage exact, performer;
+};
+
 // o (R x C) of every segment of the item; lse (R x H) of exact rows, 0 for
-// the other rows.  Rows of unlisted segments get o = 0.
+// the other rows.  Rows of unlisted segments get o = 0 (charged to the exact stage).
 template <typename acc_t>
 void attention_forward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const ItemBuffers<acc_t>& b,
-                       float* lse) {
+                       float* lse, StageClock& clock, AttentionStages stages) {
   const int64_t H = a.H, C = a.C;
   acc_t* stats = b.performer_keep + 2 * b.rows * a.H * a.performer.m;  // of the next Performer segment
   acc_t* p = b.exact_keep;  // probabilities of the next small exact segment
@@ -79,14 +84,17 @@ void attention_forward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const I
       } else {
         softmax_fwd_run(sa, row, n, 0, n, b.attention);
       }
+      clock.lap(stages.exact);
       continue;
     }
     fill(lse + row * H, n * H, 0.0f);
     if (a.path[s] == PATH_PERFORMER) {
       const PerformerKeep<acc_t> keep = performer_keep(a, b, row, n, stats);
       performer_segment_fwd_keep(performer_args(a, b), row, n, keep.key_e, keep.query_e, keep.stats, b.attention);
+      clock.lap(stages.performer);
     } else {
       fill(b.o + row * C, n * C, acc_t(0));
+      clock.lap(stages.exact);
     }
   }
 }
@@ -95,7 +103,8 @@ void attention_forward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const I
 // attention_forward on the same buffers; exact rows use the saved lse
 // (a.lse_in), Performer segments what the forward kept.
 template <typename acc_t>
-void attention_backward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const ItemBuffers<acc_t>& b) {
+void attention_backward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const ItemBuffers<acc_t>& b,
+                        StageClock& clock) {
   const int64_t C = a.C;
   acc_t* stats = b.performer_keep + 2 * b.rows * a.H * a.performer.m;  // of the next Performer segment
   const acc_t* p = b.exact_keep;  // probabilities of the next small exact segment
@@ -119,11 +128,14 @@ void attention_backward(const NtconvArgs<acc_t>& a, const NtconvItem& it, const 
         softmax_bwd_query_run(sa, row, n, 0, n, b.attention);
         softmax_bwd_key_run(sa, row, n, 0, n, b.attention);
       }
+      clock.lap(BWD_EXACT);
     } else if (a.path[s] == PATH_PERFORMER) {
       const PerformerKeep<acc_t> keep = performer_keep(a, b, row, n, stats);
       performer_segment_bwd_kept(performer_args(a, b), row, n, keep.key_e, keep.query_e, keep.stats, b.attention);
+      clock.lap(BWD_PERFORMER);
     } else {
       for (acc_t* d : {b.d_q, b.d_k, b.d_v}) fill(d + row * C, n * C, acc_t(0));
+      clock.lap(BWD_EXACT);
     }
   }
 }

@@ -19,13 +19,14 @@
 
 // The kernels never read floating-point exception flags (see segment_softmax_kernel.cpp).
 #pragma GCC optimize("no-trapping-math")
-#include "cpu/gemm_avx2.h"
 #include "cpu/isa.h"
+#include "cpu/simd_vec.h"
 #include "cpu/ntconv_math.h"
 #include "cpu/segment_performer_args.h"
 #include "cpu/segment_softmax_args.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
+#include "cpu/stage_profile.h"
 
 namespace nt_kernels::cpu {
 
@@ -40,38 +41,9 @@ struct NtconvKernels {
 };
 
 // One build per ISA (cpu/isa.h).
-#if NT_CPU_X86
-namespace isa_avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define NT_CPU_AVX2 1
-#include "cpu/gemm_dispatch.h"
-#include "cpu/segment_softmax_impl.h"
-#include "cpu/segment_performer_impl.h"
-#include "cpu/ntconv_rows_impl.h"
-#include "cpu/ntconv_attention_impl.h"
-#include "cpu/ntconv_aggregate_impl.h"
-#include "cpu/ntconv_item_impl.h"
-#undef NT_CPU_AVX2
-#pragma GCC pop_options
-}  // namespace isa_avx2
-#endif
-
-namespace isa_base {
-#define NT_CPU_AVX2 0
-#include "cpu/gemm_dispatch.h"
-#include "cpu/segment_softmax_impl.h"
-#include "cpu/segment_performer_impl.h"
-#include "cpu/ntconv_rows_impl.h"
-#include "cpu/ntconv_attention_impl.h"
-#include "cpu/ntconv_aggregate_impl.h"
-#include "cpu/ntconv_item_impl.h"
-#undef NT_CPU_AVX2
-}  // namespace isa_base
-
-#if !NT_CPU_X86
-namespace isa_avx2 = isa_base;  // never chosen: cpu_use_avx2() is false
-#endif
+#define NT_CPU_ISA_BODIES "cpu/ntconv_bodies.h"
+#include "cpu/isa_builds.h"
+#undef NT_CPU_ISA_BODIES
 
 namespace {
 
@@ -82,7 +54,8 @@ constexpr int64_t WEIGHT_GRAIN = 4096;
 
 template <typename acc_t>
 NtconvKernels<acc_t> kernels() {
-  return cpu_use_avx2() ? isa_avx2::ntconv_kernels<acc_t>() : isa_base::ntconv_kernels<acc_t>();
+  return pick_isa(&isa_avx512::ntconv_kernels<acc_t>, &isa_avx2::ntconv_kernels<acc_t>,
+                  &isa_base::ntconv_kernels<acc_t>)();
 }
 
 // Per-thread storage behind the workspaces, kept between calls (the pool's
@@ -176,18 +149,22 @@ void for_each_item(const NtconvArgs<acc_t>& a, const NtconvPlan& plan, const Sta
 
 template <typename acc_t>
 void run_forward(const NtconvArgs<acc_t>& a, const NtconvPlan& plan, acc_t* out, acc_t* stats) {
+  const KernelWallClock wall(false);
   const NtconvKernels<acc_t> kern = kernels<acc_t>();
   for_each_item(a, plan, [](int64_t) {}, [&](int64_t, const NtconvItem& item, const ItemBuffers<acc_t>& b) {
     kern.forward_item(a, item, b);
   });
   at::parallel_for(0, a.N_out, RECEIVER_GRAIN, [&](int64_t k0, int64_t k1) {
+    StageClock clock;
     kern.reduce(a, k0, k1, out, stats);
+    clock.lap(FWD_REDUCE);
   });
 }
 
 template <typename acc_t>
 void run_backward(const NtconvArgs<acc_t>& a, const NtconvPlan& plan, acc_t* partials,
                   acc_t* d_receiver, acc_t* d_weights) {
+  const KernelWallClock wall(true);
   const NtconvKernels<acc_t> kern = kernels<acc_t>();
   const int64_t P = a.partial_size();
   for_each_item(
@@ -195,23 +172,31 @@ void run_backward(const NtconvArgs<acc_t>& a, const NtconvPlan& plan, acc_t* par
       [&](int64_t c, const NtconvItem& item, const ItemBuffers<acc_t>& b) {
         // Each item's weight gradients are summed on their own, then added to
         // the chunk's: float32 sums over tens of items, not thousands of rows.
+        StageClock clock;
         fill(b.weight_grads, P, acc_t(0));
+        clock.lap(BWD_WEIGHT_SUM);
         kern.backward_item(a, item, b, b.weight_grads);
+        clock.restart();
         acc_t* chunk = partials + c * P;
         for (int64_t i = 0; i < P; ++i) chunk[i] += b.weight_grads[i];
+        clock.lap(BWD_WEIGHT_SUM);
       });
   if (d_receiver != nullptr) {
     at::parallel_for(0, std::min(a.N, a.N_out), RECEIVER_GRAIN, [&](int64_t k0, int64_t k1) {
+      StageClock clock;
       kern.reduce_grads(a, k0, k1, d_receiver);
+      clock.lap(BWD_REDUCE);
     });
   }
   // Weight gradients: the chunk partials summed in chunk order.
   at::parallel_for(0, P, WEIGHT_GRAIN, [&](int64_t e0, int64_t e1) {
+    StageClock clock;
     for (int64_t e = e0; e < e1; ++e) {
       acc_t total = 0;
       for (int64_t c = 0; c < plan.num_chunks(); ++c) total += partials[c * P + e];
       d_weights[e] = total;
     }
+    clock.lap(BWD_WEIGHT_SUM);
   });
 }
 

@@ -3,7 +3,7 @@
 // Included once per ISA namespace (cpu/isa.h) by every file that runs these
 // kernels (segment_performer_kernel.cpp, ntconv_kernel.cpp), so it has no
 // include guard; the including file provides simd_math.h, small_gemm.h,
-// gemm_avx2.h, segment_performer_args.h and, in the same namespace before this
+// simd_vec.h, segment_performer_args.h and, in the same namespace before this
 // file, the per-ISA gemm_dispatch.h.
 //
 // Notation (DESIGN §4), per head: Pc = c P (m x D) and its transpose PcT,

@@ -26,8 +26,8 @@
 // will not if-convert (and so not vectorise) loops with float compares, such
 // as exp_f32's range clamps and the max reductions.
 #pragma GCC optimize("no-trapping-math")
-#include "cpu/gemm_avx2.h"
 #include "cpu/isa.h"
+#include "cpu/simd_vec.h"
 #include "cpu/segment_performer_args.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
@@ -36,33 +36,14 @@
 namespace nt_kernels::cpu {
 
 // One build per ISA (cpu/isa.h).
-#if NT_CPU_X86
-namespace isa_avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define NT_CPU_AVX2 1
-#include "cpu/gemm_dispatch.h"
-#include "cpu/segment_performer_impl.h"
-#undef NT_CPU_AVX2
-#pragma GCC pop_options
-}  // namespace isa_avx2
-#endif
-
-namespace isa_base {
-#define NT_CPU_AVX2 0
-#include "cpu/gemm_dispatch.h"
-#include "cpu/segment_performer_impl.h"
-#undef NT_CPU_AVX2
-}  // namespace isa_base
-
-#if !NT_CPU_X86
-namespace isa_avx2 = isa_base;  // never chosen: cpu_use_avx2() is false
-#endif
+#define NT_CPU_ISA_BODIES "cpu/segment_performer_impl.h"
+#include "cpu/isa_builds.h"
+#undef NT_CPU_ISA_BODIES
 
 template <typename scalar_t>
 PerformerKernels<scalar_t> performer_kernels() {
-  return cpu_use_avx2() ? isa_avx2::performer_kernels<scalar_t>()
-                        : isa_base::performer_kernels<scalar_t>();
+  return pick_isa(&isa_avx512::performer_kernels<scalar_t>, &isa_avx2::performer_kernels<scalar_t>,
+                  &isa_base::performer_kernels<scalar_t>)();
 }
 
 // Rows [row, row + nr) of the packed tensors; `slot` is the block's index in

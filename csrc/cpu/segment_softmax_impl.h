@@ -3,7 +3,7 @@
 // Included once per ISA namespace (cpu/isa.h) by every file that runs these
 // kernels (segment_softmax_kernel.cpp, ntconv_kernel.cpp), so it has no include
 // guard; the including file provides <ATen/ATen.h>, simd_math.h, small_gemm.h,
-// gemm_avx2.h, segment_softmax_args.h and, in the same namespace before this
+// simd_vec.h, segment_softmax_args.h and, in the same namespace before this
 // file, the per-ISA gemm_dispatch.h.
 //
 // Every function handles one *run*: rows [r0, r1) of one segment (rows

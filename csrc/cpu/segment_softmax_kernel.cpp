@@ -8,8 +8,8 @@
 //   B. per key row: dk and dv, from pass A's per-row lse and delta.
 // Work is split among threads by cost (a row of a size-n segment costs ~n), so
 // one hub's rows spread over all threads.  The kernel bodies live in
-// segment_softmax_impl.h, compiled for AVX2+FMA and for the baseline ISA; the
-// CPU's features pick one at run time.
+// segment_softmax_impl.h, compiled for AVX-512, AVX2+FMA and the baseline
+// ISA (cpu/isa.h); the CPU's features pick one at run time.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -25,8 +25,8 @@
 // will not if-convert (and so not vectorise) loops with float compares, such
 // as exp_f32's range clamps and the max reductions.
 #pragma GCC optimize("no-trapping-math")
-#include "cpu/gemm_avx2.h"
 #include "cpu/isa.h"
+#include "cpu/simd_vec.h"
 #include "cpu/segment_softmax_args.h"
 #include "cpu/simd_math.h"
 #include "cpu/small_gemm.h"
@@ -35,28 +35,9 @@
 namespace nt_kernels::cpu {
 
 // One build per ISA (cpu/isa.h).
-#if NT_CPU_X86
-namespace isa_avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-#define NT_CPU_AVX2 1
-#include "cpu/gemm_dispatch.h"
-#include "cpu/segment_softmax_impl.h"
-#undef NT_CPU_AVX2
-#pragma GCC pop_options
-}  // namespace isa_avx2
-#endif
-
-namespace isa_base {
-#define NT_CPU_AVX2 0
-#include "cpu/gemm_dispatch.h"
-#include "cpu/segment_softmax_impl.h"
-#undef NT_CPU_AVX2
-}  // namespace isa_base
-
-#if !NT_CPU_X86
-namespace isa_avx2 = isa_base;  // never chosen: cpu_use_avx2() is false
-#endif
+#define NT_CPU_ISA_BODIES "cpu/segment_softmax_impl.h"
+#include "cpu/isa_builds.h"
+#undef NT_CPU_ISA_BODIES
 
 template <typename scalar_t>
 using RunFn = void (*)(const SoftmaxArgs<scalar_t>&, int64_t, int64_t, int64_t, int64_t,
@@ -107,8 +88,8 @@ void softmax_fwd_into_cpu(const at::Tensor& o, const at::Tensor& lse, const at::
     auto args = input_args<scalar_t>(q, k, v, scale);
     args.out = o.data_ptr<scalar_t>();
     args.lse = lse.data_ptr<float>();
-    run_rows(split, args, cpu_use_avx2() ? &isa_avx2::softmax_fwd_run<scalar_t>
-                                         : &isa_base::softmax_fwd_run<scalar_t>);
+    run_rows(split, args, pick_isa(&isa_avx512::softmax_fwd_run<scalar_t>, &isa_avx2::softmax_fwd_run<scalar_t>,
+                                   &isa_base::softmax_fwd_run<scalar_t>));
   });
 }
 
@@ -141,11 +122,12 @@ void softmax_bwd_into_cpu(const at::Tensor& dq, const at::Tensor& dk, const at::
     args.dv = dv.data_ptr<scalar_t>();
     args.row_lse = stats.data_ptr<acc_t>();
     args.row_delta = args.row_lse + q.size(0) * q.size(1);
-    const bool avx2 = cpu_use_avx2();
-    run_rows(split, args, avx2 ? &isa_avx2::softmax_bwd_query_run<scalar_t>
-                               : &isa_base::softmax_bwd_query_run<scalar_t>);
-    run_rows(split, args, avx2 ? &isa_avx2::softmax_bwd_key_run<scalar_t>
-                               : &isa_base::softmax_bwd_key_run<scalar_t>);
+    run_rows(split, args, pick_isa(&isa_avx512::softmax_bwd_query_run<scalar_t>,
+                                   &isa_avx2::softmax_bwd_query_run<scalar_t>,
+                                   &isa_base::softmax_bwd_query_run<scalar_t>));
+    run_rows(split, args, pick_isa(&isa_avx512::softmax_bwd_key_run<scalar_t>,
+                                   &isa_avx2::softmax_bwd_key_run<scalar_t>,
+                                   &isa_base::softmax_bwd_key_run<scalar_t>));
   });
 }
 

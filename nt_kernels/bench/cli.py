@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from nt_kernels.bench import backends as bb
-from nt_kernels.bench import layer
+from nt_kernels.bench import layer, layer_profile
 from nt_kernels.bench import measure as bm
 from nt_kernels.bench import peers
 from nt_kernels.bench.context import PEER_FAMILIES
@@ -381,6 +381,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="where --plot writes the figures and results.md (default: the current directory)")
     p.set_defaults(func=run)
     layer.add_arguments(p)
+    layer_profile.add_arguments(p)
     return p
 
 
@@ -389,6 +390,8 @@ def run(args) -> int:
         if args.threads < 1:
             raise SystemExit(f"bench: --threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.profile or args.isa or args.clock_ghz:
+        return layer_profile.run(args)
     if args.layer:
         return layer.run(args)
     if args.from_json:
