@@ -176,6 +176,31 @@ def test_bound_above_the_cap_fails_and_says_why():
     assert fine.within_cap and fine.failure(0.01) == "" and "error" in fine.failure(0.1)
 
 
+def test_better_conditioned_baseline_takes_over_above_the_cap():
+    """float32 on the rounded inputs is asked for (lazily) only when the other bound is above the cap;
+    if its bound is above the cap too, the comparison still fails."""
+    want = torch.tensor([1.0, -2.0])
+    bound = tolerance.low_precision_bound(torch.bfloat16, want, 0.15, 1e-6, mixed_error=0.01)
+    assert bound.within_cap and bound.baseline == "float32 on bfloat16 inputs" and "above the cap" in bound.reason
+    assert bound.value == pytest.approx(2 * 0.01 + 0.032)
+    asked = []
+    fine = tolerance.low_precision_bound(torch.bfloat16, want, 0.01, 1e-6, mixed_error=lambda: asked.append(1) or 0.0)
+    assert fine.baseline == "bfloat16" and not asked
+    still = tolerance.low_precision_bound(torch.bfloat16, want, 0.15, 1e-6, mixed_error=0.09)
+    assert not still.within_cap and "above the cap" in still.failure(0.0)
+
+
+def test_a_zero_reference_is_measured_against_the_row():
+    """dq of the Performer with one feature is zero up to float64 rounding: its bound is relative to
+    the row's largest reference, not to 1e-16."""
+    want = torch.tensor([4e-16, -1e-17])
+    alone = tolerance.low_precision_bound(torch.bfloat16, want, 0.02, 0.02 / 65536)
+    assert not alone.within_cap
+    in_row = tolerance.low_precision_bound(torch.bfloat16, want, 0.02, 0.02 / 65536, row_scale=3.0)
+    assert in_row.scale == 3.0 and in_row.within_cap and in_row.failure(3e-7) == ""
+    assert tolerance.reference_scale(torch.tensor([0.5, 1.0]), row_scale=3.0) == 1.0
+
+
 def test_a_row_whose_bound_is_above_the_cap_fails(monkeypatch):
     """The check's verdict: a row passes only when every tensor's bound is within the cap."""
     monkeypatch.setattr(tolerance, "CAP", 1e-6)
