@@ -27,7 +27,8 @@ CI's ``check --quick``, 1, 9 and 64, the fused layer's up to 64; on a GPU all of
 of the check's own rows for the path (its accuracy case, the determinism row, the NaN row; the check
 runs the Triton paths only on a GPU) must report FAIL, and for every fault and dtype one of the path's
 tests in that dtype must fail (tests/test_check.py has float16 at D = 53, the case of issue 32).  Both
-sides first run clean, where everything must pass.  A fault is shown first to the detectors of its
+sides first run clean, where everything must pass; a fault that leaves the right answer right (dq
+zeroed where the Performer has one feature, see ``equivalent``) is not injected.  A fault is shown first to the detectors of its
 kind (accuracy; determinism for the rounding; NaN containment for the leak) and the run stops at the
 first one that flags it.  Under the Triton interpreter each distinct kernel call runs once: its clean
 result is memoised by the call's inputs (the kernels are deterministic, which the tests check) and
