@@ -27,7 +27,8 @@
 #            streamed to 2-check.log as it is computed, with its seconds
 #   3 tests  one pytest over the CUDA test files and every -m cuda test elsewhere (pytest-xdist,
 #            one worker per core, work stealing); scripts/gpu_pytest_stream.py writes one line
-#            per test to 3-tests.log as it finishes (failure messages included)
+#            per test to 3-tests.log as it finishes (failure messages included); the files include
+#            tests/test_mutants.py, the mutation harness over the CUDA Performer and compiled Triton
 #   4 bench  only when asked (GPU_CHECK_STAGES=2,3,4; its own budget GPU_BENCH_BUDGET, 240 s):
 #            the op benchmarks of the first run (scripts/gpu_perf.sh is the performance probe)
 # Each stage's log ends with how many Triton kernels it loaded, how many hit the cache and how
@@ -46,7 +47,7 @@ export DEADLINE
 # The check's dtypes (nt_kernels/apps/check.py DTYPES; a test keeps them equal).
 CHECK_DTYPES=float32,bfloat16,float16
 # Test files that run on the GPU as a whole (their CPU cases too); elsewhere only -m cuda.
-CUDA_TEST_FILES="test_triton.py test_performer_cuda.py test_segment_table.py test_ntconv_triton.py"
+CUDA_TEST_FILES="test_triton.py test_performer_cuda.py test_segment_table.py test_ntconv_triton.py test_mutants.py"
 export CHECK_DTYPES CUDA_TEST_FILES WARM_DIMS WARM_DTYPES WARM_SUITES
 
 left() { echo $(( DEADLINE - $(date +%s) )); }  # seconds of the budget left

@@ -41,3 +41,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The count of the mutation harness (tests/test_mutants.py): faults injected and caught."""
+    caught = injected = 0
+    seconds = 0.0
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        props = dict(getattr(report, "user_properties", ()))
+        if getattr(report, "when", "") == "call" and "mutants_injected" in props:
+            caught += props["mutants_caught"]
+            injected += props["mutants_injected"]
+            seconds += props["mutants_seconds"]
+    if injected:
+        terminalreporter.write_line(f"mutation harness (tests/test_mutants.py): {caught} of {injected} injected faults "
+                                    f"caught, {seconds:.0f} s")

@@ -8,6 +8,7 @@ low precision, bad input and empty graphs.
 """
 import contextlib
 import copy
+import functools
 import math
 
 import pytest
@@ -15,18 +16,12 @@ import torch
 import torch.nn.functional as F
 
 import nt_kernels as nk
-from helpers import assert_close, assert_within_twice_torch_error, projection
+from helpers import assert_close, assert_low_precision, projection
 from nt_kernels import NeighbourhoodCSR
 from nt_kernels.nn.aggregate import aggregate, receiver_csr
+from nt_kernels.ops import ntconv
 from nt_reference.dropout import counter_dropout_mask
 from nt_reference.nn import ntconv_messages
-
-try:
-    from nt_kernels.ops import ntconv
-except ImportError:  # the op lands with helper C's kernel (issue 13)
-    ntconv = None
-
-needs_op = pytest.mark.skipif(ntconv is None, reason="op not available yet: nt_kernels.ops.ntconv (issue 13)")
 
 HEADS, DIM, EDGE_DIM, M = 2, 4, 3, 4  # C = 8; n* = 4 + sqrt(32) ~ 9.66 for m = 4, D = 4
 GIVEN_THRESHOLD = 5
@@ -218,7 +213,6 @@ def test_reference_matches_the_composition(aggr, gate_group, attention):
 
 
 # ------------------------------------------------------- float64 vs reference
-@needs_op
 @pytest.mark.parametrize("attention", list(ATTENTIONS))
 @pytest.mark.parametrize("edge_attr", EDGE_ATTR)
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
@@ -235,7 +229,6 @@ HUB_CASES = [pytest.param(*aggr.values, "switch", id=f"{aggr.id}-switch") for ag
 ]
 
 
-@needs_op
 @pytest.mark.parametrize("aggr, gate_group, attention", HUB_CASES)
 def test_matches_reference_3000_row_hub(aggr, gate_group, attention, single_thread):
     """Switch sends the hub to Performer; softmax runs it exact (3000 x 3000 scores per head)."""
@@ -245,7 +238,6 @@ def test_matches_reference_3000_row_hub(aggr, gate_group, attention, single_thre
                              **attention_kwargs(inp, attention))
 
 
-@needs_op
 @pytest.mark.parametrize("aggr, gate_group", AGGRS[2:4])
 def test_matches_reference_with_scale_and_eps(aggr, gate_group):
     edge_index, n = mixed_graph()
@@ -263,7 +255,6 @@ def tied_inputs(num_nodes, num_edges, edge_attr):
     return inp.replace(w_out=w_out)
 
 
-@needs_op
 @pytest.mark.parametrize("attention", list(ATTENTIONS))
 @pytest.mark.parametrize("edge_attr", EDGE_ATTR)
 def test_max_ties_split_the_gradient_like_amax(edge_attr, attention):
@@ -272,7 +263,6 @@ def test_max_ties_split_the_gradient_like_amax(edge_attr, attention):
     assert_matches_reference(inp, edge_index, n, aggr="max", **attention_kwargs(inp, attention))
 
 
-@needs_op
 def test_max_tie_gradient_is_split_evenly():
     """Direct check of the amax rule: with W_out = 0 every message is GELU(b_out), so the gradient
     of b_out is sum_k g[k] * GELU'(b_out) over receivers that receive anything."""
@@ -298,7 +288,6 @@ def dropout_case(aggr="weighted_mean"):
     return edge_index, n, inp, NeighbourhoodCSR.from_edge_index(edge_index, n)
 
 
-@needs_op
 @pytest.mark.parametrize("seed", [pytest.param(11, id="int"), pytest.param(torch.tensor(11), id="tensor")])
 def test_dropout_same_seed_is_bitwise_reproducible(seed):
     _, _, inp, csr = dropout_case()
@@ -312,7 +301,6 @@ def test_dropout_same_seed_is_bitwise_reproducible(seed):
     assert not torch.equal(out_a, out_c), "seeds 11 and 12 gave the same output"
 
 
-@needs_op
 @pytest.mark.parametrize("seed", [0, 12345, 2 ** 40 + 7, -3], ids=["0", "12345", "2^40+7", "negative"])
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
 def test_dropout_matches_reference_mask(aggr, gate_group, seed):
@@ -345,7 +333,6 @@ def call_op_args(args, kwargs, **extra):
     return ntconv(*args, **kwargs, **extra)
 
 
-@needs_op
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.9])
 def test_dropout_mask_is_the_reference_counter_mask(p):
     args, kwargs = observable_mask_case(600)
@@ -355,7 +342,6 @@ def test_dropout_mask_is_the_reference_counter_mask(p):
         assert torch.equal(kept, expected), f"seed {seed}: {int((kept != expected).sum())} elements differ"
 
 
-@needs_op
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
 def test_dropout_kept_fraction_within_3_sigma(p):
     args, kwargs = observable_mask_case(3000)
@@ -401,7 +387,6 @@ GRADCHECK_CASES = [pytest.param(aggr.values[0], aggr.values[1], "switch", 0.0, i
 ]
 
 
-@needs_op
 @pytest.mark.parametrize("aggr, gate_group, attention, dropout", GRADCHECK_CASES)
 def test_gradcheck(aggr, gate_group, attention, dropout):
     # threshold 2 sends the 3-row neighbourhood to Performer; eps = 0 makes the (constant)
@@ -438,7 +423,6 @@ OPCHECK_CASES = [
 ]
 
 
-@needs_op
 @pytest.mark.parametrize("aggr, gate_group, edge_attr, dropout", OPCHECK_CASES)
 def test_opcheck_forward(aggr, gate_group, edge_attr, dropout):
     edge_index, n = mixed_graph()
@@ -448,7 +432,6 @@ def test_opcheck_forward(aggr, gate_group, edge_attr, dropout):
     torch.library.opcheck(torch.ops.nt_kernels.ntconv_fwd.default, args)
 
 
-@needs_op
 @pytest.mark.parametrize("aggr, gate_group, edge_attr, dropout", OPCHECK_CASES)
 def test_opcheck_backward(aggr, gate_group, edge_attr, dropout):
     edge_index, n = mixed_graph()
@@ -461,7 +444,6 @@ def test_opcheck_backward(aggr, gate_group, edge_attr, dropout):
                           (grad_out, out, lse, stats, *args, [True, True, edge_attr]))
 
 
-@needs_op
 @pytest.mark.parametrize("dropout", [pytest.param(0.0, id="no-dropout"), pytest.param(P_DROP, id="dropout")])
 def test_torch_compile_fullgraph(dropout):
     edge_index, n = mixed_graph()
@@ -490,9 +472,11 @@ def test_torch_compile_fullgraph(dropout):
 
 
 # -------------------------------------------------------------- determinism
-@needs_op
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("aggr, gate_group", AGGRS)
+@pytest.mark.parametrize("aggr, gate_group, dtype", [
+    *[pytest.param(*a.values, dtype, id=f"{a.id}-{name}") for a in AGGRS
+      for name, dtype in (("float32", torch.float32), ("float64", torch.float64))],
+    pytest.param("weighted_mean", "receiver", torch.bfloat16, id="weighted_mean-receiver-bfloat16"),
+    pytest.param("weighted_mean", "receiver", torch.float16, id="weighted_mean-receiver-float16")])
 def test_bitwise_identical_for_1_and_2_threads(aggr, gate_group, dtype):
     gen = torch.Generator().manual_seed(9)
     n = 300
@@ -522,7 +506,6 @@ def assert_bitwise_equal(got, want, name):
 
 
 # ------------------------------------------------------------------- NaN
-@needs_op
 @pytest.mark.parametrize("centre", [pytest.param(7, id="exact-9-rows"), pytest.param(8, id="performer-10-rows")])
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
 def test_nan_stays_in_its_neighbourhood(aggr, gate_group, centre):
@@ -550,6 +533,28 @@ def test_nan_stays_in_its_neighbourhood(aggr, gate_group, centre):
             assert torch.equal(grads[name][rows], clean_grads[name][rows]), f"gradient of {name} changed"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_nan_stays_in_its_neighbourhood_in_every_dtype(dtype):
+    """weighted_mean in the kernels' dtypes: a NaN in one edge_attr row of the 10-row (Performer)
+    neighbourhood makes each of its receivers' rows NaN and leaves every other row as in the clean run."""
+    edge_index, n = mixed_graph()
+    centre = 8
+    inp = Inputs(n, edge_index.shape[1], "weighted_mean", edge_attr=True, dtype=dtype)
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
+    own_edges = edge_index[0] == centre
+    reached = torch.zeros(n, dtype=torch.bool)
+    reached[edge_index[1, own_edges]] = True
+    poisoned = inp.edge_attr.clone()
+    poisoned[int(own_edges.nonzero()[0]), 1] = float("nan")
+    kwargs = dict(aggr="weighted_mean", projection=inp.projection)
+    clean = call_op(inp, csr, **kwargs)
+    out = call_op(inp.replace(edge_attr=poisoned), csr, **kwargs)
+    assert torch.isnan(out[reached]).any(dim=1).all(), "a receiver of the NaN neighbourhood lost its NaN"
+    for node in (~reached).nonzero().flatten().tolist():
+        assert torch.equal(out[node], clean[node]), f"the NaN reached node {node}"
+
+
 def nan_run(inp, csr, reached, kwargs):
     inp = inp.requires_grad()
     out = call_op(inp, csr, **kwargs)
@@ -560,22 +565,35 @@ def nan_run(inp, csr, reached, kwargs):
 
 
 # --------------------------------------------------------- low precision
-def low_precision_runs(inp_lo, csr, edge_index, kwargs, autocast):
-    """Output and gradients of the op, of the composition (both on the low-precision inputs,
-    forward under autocast, backward outside) and of the float64 reference on the same values."""
-    inp_hi = inp_lo.cast(torch.float64)
-    truth = output_and_grads(lambda i: call_reference(i, edge_index, **dict(kwargs, projection=i.projection)),
-                             inp_hi)
-    kwargs = dict(kwargs, projection=inp_lo.projection)
+def low_precision_runs(inp_lo, csr, edge_index, kwargs, autocast, rule):
+    """Outputs and gradients of the op and of the independent reference (nt_reference's
+    ntconv_messages) on the low-precision inputs, both under the same autocast (forward under
+    autocast, backward outside), of that reference in float32 and in float64 on the same values,
+    and (a function) of it in float32 on the inputs rounded to ``rule``, rounded to ``rule``."""
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
-    op = output_and_grads(lambda i: call_op(i, csr, **kwargs), inp_lo, context)
-    composition = output_and_grads(lambda i: call_composition(i, csr, **kwargs), inp_lo, context)
-    return op, composition, truth
+    # under autocast the op casts its projection to q's bfloat16, which the reference's einsum needs given
+    low_projection = inp_lo.projection.to(torch.bfloat16) if autocast else inp_lo.projection
+
+    def reference(inp, projection, context=contextlib.nullcontext):
+        return output_and_grads(lambda i: call_reference(i, edge_index, **dict(kwargs, projection=projection)),
+                                inp, context)
+
+    @functools.cache
+    def mixed():
+        rounded = inp_lo.cast(rule).cast(torch.float32)
+        out, grads = reference(rounded, rounded.projection)
+        return out.to(rule), {name: g.to(rule) for name, g in grads.items()}
+    op = output_and_grads(lambda i: call_op(i, csr, **dict(kwargs, projection=inp_lo.projection)), inp_lo, context)
+    torch_low = reference(inp_lo, low_projection, context)
+    float32 = reference(inp_lo.cast(torch.float32), inp_lo.projection.float())
+    truth = reference(inp_lo.cast(torch.float64), inp_lo.projection.double())
+    return op, torch_low, float32, truth, mixed
 
 
 # (node-term dtype, weight and edge_attr dtype, autocast to bfloat16)
 LOW_PRECISION = [
     pytest.param(torch.bfloat16, torch.bfloat16, False, id="bf16-inputs"),
+    pytest.param(torch.float16, torch.float16, False, id="fp16-inputs"),
     pytest.param(torch.float32, torch.float32, True, id="autocast-float32-inputs"),
     pytest.param(torch.bfloat16, torch.float32, True, id="autocast-bf16-node-terms-float32-weights"),
     pytest.param(torch.float32, torch.float32, False, id="float32-inputs"),
@@ -591,44 +609,42 @@ def one_message_per_receiver_graph():
     return torch.stack([centre, receiver]), centre.numel()
 
 
-def assert_low_precision(aggr, gate_group, node_dtype, weight_dtype, autocast, graph, *, grads=True):
+def assert_low_precision_op(aggr, gate_group, node_dtype, weight_dtype, autocast, graph):
     edge_index, n = graph
     csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
     inp = Inputs(n, edge_index.shape[1], aggr, edge_attr=True).cast(weight_dtype)
     inp = inp.replace(centre=inp.centre.to(node_dtype), receiver_term=inp.receiver_term.to(node_dtype))
-    kwargs = dict(aggr=aggr, gate_group=gate_group, projection=inp.projection, threshold=GIVEN_THRESHOLD)
-    (out, grads_op), (out_c, grads_c), (out_r, grads_r) = low_precision_runs(inp, csr, edge_index, kwargs, autocast)
-    assert torch.isfinite(out).all()
-    pairs = [("output", out)] + ([(f"gradient of {name}", g) for name, g in grads_op.items()] if grads else [])
-    composition = dict([("output", out_c)] + [(f"gradient of {name}", g) for name, g in grads_c.items()])
-    truth = dict([("output", out_r)] + [(f"gradient of {name}", g) for name, g in grads_r.items()])
-    for name, got in pairs:
-        if autocast or node_dtype == torch.bfloat16:
-            assert_within_twice_torch_error(got, composition[name], truth[name], msg=name)
+    kwargs = dict(aggr=aggr, gate_group=gate_group, threshold=GIVEN_THRESHOLD)
+    rule = torch.bfloat16 if autocast else node_dtype
+    op, low, float32, truth, mixed = low_precision_runs(inp, csr, edge_index, kwargs, autocast, rule)
+    assert torch.isfinite(op[0]).all()
+    for key in ["output", *op[1]]:
+        pick = (lambda run: run[0]) if key == "output" else (lambda run: run[1][key])  # noqa: B023
+        name = key if key == "output" else f"gradient of {key}"
+        if rule != torch.float32:
+            assert_low_precision(pick(op), pick(truth), pick(low), pick(float32), msg=name, dtype=rule,
+                                 torch_mixed=lambda: pick(mixed()))  # noqa: B023
         else:
-            check(got, truth[name], name)
+            check(pick(op), pick(truth), name)
 
 
-@needs_op
 @pytest.mark.parametrize("node_dtype, weight_dtype, autocast", LOW_PRECISION)
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
 def test_low_precision_against_the_float64_reference(aggr, gate_group, node_dtype, weight_dtype, autocast):
-    """bfloat16 (inputs or autocast): the project's rule (tests/helpers.py), error(op) <= 2 x
-    error(composition in the same precision) + 1e-3 max |reference|, for the output and every
-    gradient.  float32: the project's float32 tolerance against the float64 reference (in float32
-    both errors are a few ulps of rounding noise, so their ratio says nothing).
+    """bfloat16 and float16 inputs, or bfloat16 autocast: the accuracy rule (tests/helpers.py) for the
+    output and every gradient, against nt_reference's ntconv_messages run the same way (the same
+    inputs, under the same autocast), its float32 run and its float64 run on the same values.  float32: the project's
+    float32 tolerance against the float64 reference (in float32 both errors are a few ulps of
+    rounding noise, so their ratio says nothing).
 
     max routes its gradient to the largest message, and rounding can swap two messages closer
-    than the precision (seen: 1e-4 apart in bfloat16), so max's gradients are checked on a graph
-    where every receiver gets one message; its output on the mixed graph.
+    than the precision (seen: 1e-4 apart in bfloat16), so that the baseline's error is decided
+    by which message won; max is compared on a graph where every receiver gets one message.
     """
-    config = (aggr, gate_group, node_dtype, weight_dtype, autocast)
-    assert_low_precision(*config, mixed_graph(), grads=aggr != "max")
-    if aggr == "max":
-        assert_low_precision(*config, one_message_per_receiver_graph())
+    graph = one_message_per_receiver_graph() if aggr == "max" else mixed_graph()
+    assert_low_precision_op(aggr, gate_group, node_dtype, weight_dtype, autocast, graph)
 
 
-@needs_op
 def test_bf16_inputs_give_bf16_output():
     edge_index, n = mixed_graph()
     inp = Inputs(n, edge_index.shape[1], "sum", edge_attr=True, dtype=torch.bfloat16)
@@ -637,7 +653,6 @@ def test_bf16_inputs_give_bf16_output():
 
 
 # ------------------------------------------------------------ empty graphs
-@needs_op
 @pytest.mark.parametrize("num_nodes", [0, 6], ids=["no-nodes", "all-isolated"])
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
 def test_graph_without_edges(aggr, gate_group, num_nodes):
@@ -652,7 +667,6 @@ def test_graph_without_edges(aggr, gate_group, num_nodes):
         assert grad.shape == inp.tensors()[name].shape and not grad.any(), f"gradient of {name}"
 
 
-@needs_op
 def test_num_nodes_larger_than_the_node_terms():
     """num_nodes adds output rows nobody sends to: equal to the reference on zero-padded node terms."""
     edge_index, n = mixed_graph()
@@ -664,7 +678,6 @@ def test_num_nodes_larger_than_the_node_terms():
     check(out, expected, "output")
 
 
-@needs_op
 def test_exported_names():
     assert nk.ntconv is ntconv
     assert hasattr(torch.ops.nt_kernels, "ntconv_fwd") and hasattr(torch.ops.nt_kernels, "ntconv_bwd")
@@ -745,7 +758,6 @@ BAD_INPUTS = [
 ]
 
 
-@needs_op
 @pytest.mark.parametrize("overrides, names", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_names_the_argument(overrides, names):
     names = (names,) if isinstance(names, str) else names

@@ -112,13 +112,18 @@ def test_empty_graph(name):
 
 @pytest.mark.parametrize("name", list(OPS))
 def test_nan_stays_in_its_segment(name):
+    """A NaN in v (segment 1, head 0, channel 0) makes that channel NaN on every row of segment 1 and
+    changes nothing else: each other segment, and segment 1's other head and channels, equal the clean run."""
     ours, _ = OPS[name]
     q, k, v, rowptr, projection = make_inputs([4, 30, 5])
+    clean = ours(q, k, v, rowptr, projection)
     v = v.clone()
     v[6, 0, 0] = float("nan")  # inside segment 1
     out = ours(q, k, v, rowptr, projection)
-    assert torch.isnan(out[4:34]).any()
-    assert not torch.isnan(out[:4]).any() and not torch.isnan(out[34:]).any()
+    assert torch.isnan(out[4:34, 0, 0]).all(), "segment 1 lost its NaN"
+    assert torch.equal(out[4:34, 0, 1:], clean[4:34, 0, 1:]) and torch.equal(out[4:34, 1], clean[4:34, 1])
+    for rows in (slice(0, 4), slice(34, 39)):
+        assert torch.equal(out[rows], clean[rows]), f"the NaN reached rows {rows.start}..{rows.stop - 1}"
 
 
 def _sample_args(dtype=torch.float64):

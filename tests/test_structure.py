@@ -84,14 +84,9 @@ def test_every_import_points_down_the_layers():
     assert not wrong, "imports against the arrows of docs/design.md §0: " + ", ".join(wrong)
 
 
-# Import circles through imports inside functions (which the module-level graph above does not see).
-# Issue 32 removes this one (shared pieces of the check move to a lower module).
-KNOWN_FUNCTION_LEVEL_CYCLES = {frozenset({"nt_kernels.apps.check", "nt_kernels.apps.check_ntconv"})}
-
-
-def import_cycle(module_level_only: bool, known=()) -> list[str] | None:
-    """The first import cycle among the modules (imports in functions too unless module_level_only),
-    cycles whose set of modules is in ``known`` left out; None when there is none."""
+def import_cycle(module_level_only: bool) -> list[str] | None:
+    """The first import cycle among the modules (imports in functions too unless module_level_only);
+    None when there is none."""
     graph = {name: {t for t in imports(path, module_level_only) if t in MODULES and t != name}
              for name, path in MODULES.items()}
     state: dict[str, int] = {}
@@ -101,7 +96,7 @@ def import_cycle(module_level_only: bool, known=()) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1 and frozenset(stack[stack.index(nxt):]) not in known:
+            if state.get(nxt) == 1:
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
@@ -125,7 +120,7 @@ def test_no_import_cycle_among_the_modules():
 
 
 def test_no_import_cycle_through_imports_in_functions():
-    cycle = import_cycle(module_level_only=False, known=KNOWN_FUNCTION_LEVEL_CYCLES)
+    cycle = import_cycle(module_level_only=False)
     assert cycle is None, "import cycle (imports in functions included): " + " -> ".join(cycle)
 
 
