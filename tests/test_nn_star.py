@@ -4,12 +4,16 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 from statistics import fmean
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from helpers import assert_close, write_npz
+from test_distributed import free_port
 from nt_kernels.apps import presets, train
 from nt_kernels.apps.distributed import World
 from nt_kernels.apps.presets import StarConfig, preset, reported
@@ -147,6 +151,29 @@ def test_mini_batches_and_data_parallel_only_without_global_stage():
     assert local_only["batches_per_epoch"] > 1 and set(local_only["stages"]) == {"local"}
 
 
+def data_parallel_worker(rank: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        config = star_config(epochs=2, local_epochs=2)
+        model = train.build_model(config, IN, CLASSES)
+        result = train_split(graph(num_nodes=60), 0, config, batch_size=8, model=model)
+        torch.save({"state": model.state_dict(), "batches": result["batches_per_epoch"]},
+                   os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_local_stage_keeps_the_ranks_in_step(tmp_path, monkeypatch):
+    """Two gloo ranks train NT*'s local stage on NeighborLoader batches: DDP takes only the parameters in use
+    (the global ones have requires_grad off), so several batches run and the ranks end with equal weights."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    mp.spawn(data_parallel_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    assert ranks[0]["batches"] > 1
+    torch.testing.assert_close(ranks[0]["state"], ranks[1]["state"], rtol=0, atol=0)
+
+
 def test_presets_take_nt_locally_and_polynormer_globally():
     nt, star = preset("minesweeper"), preset("minesweeper", model="nt-star")
     assert isinstance(star, StarConfig)
@@ -206,5 +233,12 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="NTStar: x must have shape"):
         model(torch.randn(5, IN + 1), torch.zeros(2, 0, dtype=torch.long))
     assert "stage='local'" in repr(model) and "beta=learned" in repr(model)
+    before = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        model.betas.fill_(1.0)
+    model.reset_parameters()
+    changed = [name for name, value in model.state_dict().items() if not torch.equal(value, before[name])]
+    assert {"lin_in.weight", "convs.0.lin_qkv.weight", "global_attn.0.k.weight", "pred_global.weight"} <= set(changed)
+    assert not model.betas.any()
     with pytest.raises(ValueError, match="train: local_epochs \\(--local-epochs\\) must be an int >= 0"):
         TwoStages(model, torch.optim.Adam(model.parameters()), -1)
