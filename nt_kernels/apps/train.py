@@ -211,7 +211,7 @@ def _mean_std(values):
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``train`` on an argparse subparsers object (handler: :func:`run`)."""
-    parser = subparsers.add_parser("train", help="train NT on a node-classification dataset (paper protocol)",
+    parser = subparsers.add_parser("train", help="train NT or NT* on a node-classification dataset (paper protocol)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--data-root", default=None, help="folder with the dataset files (default: $NT_KERNELS_DATA)")
