@@ -130,13 +130,13 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         first = restored["epoch"] + 1
     stages = TwoStages(model, optimizer, config.local_epochs, first) if isinstance(config, StarConfig) else SingleStage()
     trained = wrap(model, world)
-    start, train_seconds, epochs_run, stage_seconds = time.perf_counter(), 0.0, 0, {}
+    start, start_cpu, train_seconds, epochs_run, stage_seconds = time.perf_counter(), time.process_time(), 0.0, 0, {}
     bar = tqdm(range(first, config.epochs), desc=f"{data.name} split {split}",
                disable=not (progress and world.is_main), leave=False)
     for epoch in bar:
         stages.begin_epoch(epoch)
         model.train()
-        tick = time.perf_counter()
+        tick, tick_cpu = time.perf_counter(), time.process_time()
         losses.append(step(trained, optimizer, epoch))
         train_seconds += time.perf_counter() - tick
         epochs_run += 1
@@ -150,24 +150,27 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
             if save is not None and world.is_main:
                 save_checkpoint(save, model, optimizer, config=asdict(config), split=split, losses=losses, **best)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", val=f"{val_score:.4f}", best_test=f"{best['test']:.4f}")
-        _add_time(stage_seconds, stages.stage_of(epoch), time.perf_counter() - tick)
+        _add_time(stage_seconds, stages.stage_of(epoch), time.perf_counter() - tick, time.process_time() - tick_cpu)
         if stages.should_stop(epoch, best["epoch"], config.patience):
             break
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     return {"split": split, "best_epoch": best["epoch"], "val": best["val"], "test": best["test"],
             "epochs": len(losses), "epochs_run": epochs_run, "seconds_per_epoch": seconds / max(1, epochs_run),
             "epochs_per_second": epochs_run / seconds if seconds > 0 else math.nan,
             "train_seconds_per_epoch": train_seconds / max(1, epochs_run),
             "batches_per_epoch": len(step) if isinstance(step, MiniBatchEpoch) else 1,
-            "stages": {stage: {"epochs": count, "seconds_per_epoch": total / count}
-                       for stage, (count, total) in stage_seconds.items()},
+            "cpu_seconds_per_epoch": cpu_seconds / max(1, epochs_run),
+            "stages": {stage: {"epochs": count, "seconds_per_epoch": total / count,
+                               "cpu_seconds_per_epoch": cpu / count}
+                       for stage, (count, total, cpu) in stage_seconds.items()},
             "losses": losses}
 
 
-def _add_time(totals: dict, stage: str, seconds: float) -> None:
-    """Count one epoch of ``seconds`` (training step and evaluation) for ``stage``."""
-    count, total = totals.get(stage, (0, 0.0))
-    totals[stage] = (count + 1, total + seconds)
+def _add_time(totals: dict, stage: str, seconds: float, cpu_seconds: float) -> None:
+    """Count one epoch of ``seconds`` wall and ``cpu_seconds`` process CPU time (training step and evaluation)
+    for ``stage``."""
+    count, total, cpu = totals.get(stage, (0, 0.0, 0.0))
+    totals[stage] = (count + 1, total + seconds, cpu + cpu_seconds)
 
 
 def _training_step(model, data, x, graph, split, config, world, seed, batch_size, num_neighbors):
