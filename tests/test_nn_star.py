@@ -210,7 +210,8 @@ def test_cli_trains_nt_star_and_writes_json(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["model"] == "nt-star" and result["config"]["local_epochs"] == 2
     assert result["reported"] == [85.91, 0.83] and result["peak_rss_mib"] > 0
-    assert set(result["splits"][0]["stages"]) == {"local", "global"} and result["splits"][0]["cpu_seconds_per_epoch"] > 0
+    split = result["splits"][0]
+    assert set(split["stages"]) == {"local", "global"} and split["cpu_seconds_per_epoch"] > 0
     assert "the paper's NT* table reports 85.91" in capsys.readouterr().out
     with pytest.raises(ValueError, match="train: --local-epochs, --beta only apply to --model nt-star"):
         presets.config_from_args(parse(["--dataset", "tolokers", "--local-epochs", "3", "--beta", "0.2"]))

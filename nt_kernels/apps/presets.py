@@ -211,7 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="paper: the released reproduce.sh recipe (appendix table + sep, self-loops, "
                             "epochs/patience); appendix: the appendix table only; none: TrainConfig defaults")
     group.add_argument("--directed", action="store_true", help="keep edge directions and use Dir-NT")
-    group.add_argument("--epochs", type=int, default=None, help="maximum epochs (preset: 2500 or 1000; nt-star: both stages, e.g. 2100)")
+    group.add_argument("--epochs", type=int, default=None,
+                       help="maximum epochs (preset: 2500 or 1000; nt-star: both stages, e.g. 2100)")
     group.add_argument("--patience", type=int, default=None, help="early-stopping patience (preset: 500 or 200)")
     for flag, kind in (("--head-dim", int), ("--heads", int), ("--layers", int), ("--dropout", float),
                        ("--lr", float)):

@@ -128,7 +128,8 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         restored = load_checkpoint(resume, model, optimizer, config=asdict(config), split=split)
         best, losses = {key: restored[key] for key in ("epoch", "val", "test")}, restored["losses"]
         first = restored["epoch"] + 1
-    stages = TwoStages(model, optimizer, config.local_epochs, first) if isinstance(config, StarConfig) else SingleStage()
+    staged = isinstance(config, StarConfig)
+    stages = TwoStages(model, optimizer, config.local_epochs, first) if staged else SingleStage()
     trained = wrap(model, world)
     start, start_cpu, train_seconds, epochs_run, stage_seconds = time.perf_counter(), time.process_time(), 0.0, 0, {}
     bar = tqdm(range(first, config.epochs), desc=f"{data.name} split {split}",
