@@ -6,6 +6,9 @@ the reported test score is the one at the best validation epoch; runs go over
 the dataset's fixed splits and report mean ± std.  The score is ROC-AUC for
 two classes, accuracy otherwise.
 
+``--model nt-star`` trains NT* (:class:`~nt_kernels.nn.NTStar`) in two
+stages, local then global (:mod:`nt_kernels.apps.stages`).
+
 Full batch by default; ``--batch-size`` trains on NeighborLoader mini-batches
 of seed nodes, and under ``torchrun --nproc-per-node N -m nt_kernels.cli train``
 every process trains on its own shard of the seeds through DDP (only rank 0
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import time
 from dataclasses import asdict
@@ -31,12 +35,13 @@ from nt_kernels.apps.distributed import World, current, init_from_env, shutdown,
 from nt_kernels.apps.minibatch import (MiniBatchEpoch, batch_options, eval_loader, layerwise_logits, load_checkpoint,
                                        pyg_data, save_checkpoint, split_path)
 from nt_kernels.apps.sampling import check_num_neighbors
-from nt_kernels.apps.presets import PRESETS, TrainConfig, preset
+from nt_kernels.apps.presets import PRESETS, StarConfig, TrainConfig, preset
+from nt_kernels.apps.stages import SingleStage, TwoStages
 from nt_kernels.data.datasets import DATASETS, load_dataset, monophily_graph
-from nt_kernels.nn import BACKENDS, NT
+from nt_kernels.nn import BACKENDS, NT, NTStar
 
-__all__ = ["PRESETS", "TrainConfig", "add_parser", "demo_training", "preset", "roc_auc", "run", "score",
-           "train_split"]
+__all__ = ["PRESETS", "StarConfig", "TrainConfig", "add_parser", "build_model", "demo_training", "preset", "roc_auc",
+           "run", "score", "train_split"]
 
 FUSED_CHOICES = {"auto": None, "on": True, "off": False}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -62,12 +67,31 @@ def score(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return (logits.argmax(1) == labels).double().mean().item() if labels.numel() else math.nan
 
 
+def build_model(config: TrainConfig, in_channels: int, out_channels: int, *, backend: str = "kernels",
+                fused: bool | None = None) -> nn.Module:
+    """The network of ``config``: :class:`NT`, or :class:`NTStar` for a :class:`StarConfig`."""
+    conv = {"aggr": config.aggr, "attention": config.attention, "gate_group": config.gate_group,
+            "backend": backend, "fused": fused}
+    hidden = config.head_dim * config.heads
+    if isinstance(config, StarConfig):
+        if config.sep:
+            raise ValueError("train: sep is NT's; NT*'s local blocks keep the ego path themselves")
+        return NTStar(in_channels, out_channels, hidden, config.num_layers, heads=config.heads,
+                      global_layers=config.global_layers, in_dropout=config.in_dropout, dropout=config.dropout,
+                      global_dropout=config.global_dropout, beta=config.beta, directed=config.directed, **conv)
+    return NT(in_channels, out_channels, hidden, config.num_layers, heads=config.heads, dropout=config.dropout,
+              directed=config.directed, sep=config.sep, **conv)
+
+
 def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=torch.float32, backend="kernels",
                 fused: bool | None = None, seed: int = 0, progress: bool = False, model: nn.Module | None = None, batch_size: int | None = None,
                 num_neighbors=None, eval_batch_size: int | None = None, save=None, resume=None) -> dict:
     """Train one model on split ``split`` of ``data``; returns scores at the best validation epoch and the losses.
 
-    ``model`` replaces the NT of ``config`` (it is called as ``model(x, graph)``).
+    ``model`` replaces the network of ``config`` (:func:`build_model`; it is
+    called as ``model(x, graph)``).  A :class:`StarConfig` trains in two
+    stages (:class:`~nt_kernels.apps.stages.TwoStages`; ``model`` must then have
+    a ``stage`` attribute).
     ``backend`` and ``fused`` are NTConv's (the attention ops of the composition,
     and whether the fused layer op runs).  The NT is
     initialised, and the training run (dropout) seeded, with ``seed + split``.
@@ -89,10 +113,10 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     x = data.x.to(dtype)
     val, test = data.val_mask[split], data.test_mask[split]
     if model is None:
-        model = NT(x.shape[1], int(data.y.max()) + 1, config.head_dim * config.heads, config.num_layers,
-                   heads=config.heads, dropout=config.dropout, directed=config.directed, sep=config.sep,
-                   aggr=config.aggr, attention=config.attention, gate_group=config.gate_group, backend=backend,
-                   fused=fused)
+        model = build_model(config, x.shape[1], int(data.y.max()) + 1, backend=backend, fused=fused)
+    if eval_batch_size is not None and not hasattr(model, "block"):
+        raise ValueError(f"train: eval_batch_size (--eval-batch-size) evaluates NT's residual blocks layer-wise; "
+                         f"{type(model).__name__} evaluates full batch")
     model = model.to(device=device, dtype=dtype)
     torch.manual_seed(seed + split + (world.rank << 32))
     graph = model.prepare(data.edge_index, data.num_nodes) if hasattr(model, "prepare") else data.edge_index
@@ -104,13 +128,16 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         restored = load_checkpoint(resume, model, optimizer, config=asdict(config), split=split)
         best, losses = {key: restored[key] for key in ("epoch", "val", "test")}, restored["losses"]
         first = restored["epoch"] + 1
+    staged = isinstance(config, StarConfig)
+    stages = TwoStages(model, optimizer, config.local_epochs, first) if staged else SingleStage()
     trained = wrap(model, world)
-    start, train_seconds, epochs_run = time.perf_counter(), 0.0, 0
+    start, start_cpu, train_seconds, epochs_run, stage_seconds = time.perf_counter(), time.process_time(), 0.0, 0, {}
     bar = tqdm(range(first, config.epochs), desc=f"{data.name} split {split}",
                disable=not (progress and world.is_main), leave=False)
     for epoch in bar:
+        stages.begin_epoch(epoch)
         model.train()
-        tick = time.perf_counter()
+        tick, tick_cpu = time.perf_counter(), time.process_time()
         losses.append(step(trained, optimizer, epoch))
         train_seconds += time.perf_counter() - tick
         epochs_run += 1
@@ -120,22 +147,42 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         val_score = score(logits[val], data.y[val])
         if val_score > best["val"]:
             best = {"epoch": epoch, "val": val_score, "test": score(logits[test], data.y[test])}
+            stages.new_best()
             if save is not None and world.is_main:
                 save_checkpoint(save, model, optimizer, config=asdict(config), split=split, losses=losses, **best)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", val=f"{val_score:.4f}", best_test=f"{best['test']:.4f}")
-        if epoch - best["epoch"] >= config.patience:
+        _add_time(stage_seconds, stages.stage_of(epoch), time.perf_counter() - tick, time.process_time() - tick_cpu)
+        if stages.should_stop(epoch, best["epoch"], config.patience):
             break
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     return {"split": split, "best_epoch": best["epoch"], "val": best["val"], "test": best["test"],
             "epochs": len(losses), "epochs_run": epochs_run, "seconds_per_epoch": seconds / max(1, epochs_run),
             "epochs_per_second": epochs_run / seconds if seconds > 0 else math.nan,
             "train_seconds_per_epoch": train_seconds / max(1, epochs_run),
-            "batches_per_epoch": len(step) if isinstance(step, MiniBatchEpoch) else 1, "losses": losses}
+            "batches_per_epoch": len(step) if isinstance(step, MiniBatchEpoch) else 1,
+            "cpu_seconds_per_epoch": cpu_seconds / max(1, epochs_run),
+            "stages": {stage: {"epochs": count, "seconds_per_epoch": total / count,
+                               "cpu_seconds_per_epoch": cpu / count}
+                       for stage, (count, total, cpu) in stage_seconds.items()},
+            "losses": losses}
+
+
+def _add_time(totals: dict, stage: str, seconds: float, cpu_seconds: float) -> None:
+    """Count one epoch of ``seconds`` wall and ``cpu_seconds`` process CPU time (training step and evaluation)
+    for ``stage``."""
+    count, total, cpu = totals.get(stage, (0, 0.0, 0.0))
+    totals[stage] = (count + 1, total + seconds, cpu + cpu_seconds)
 
 
 def _training_step(model, data, x, graph, split, config, world, seed, batch_size, num_neighbors):
     """One epoch of training: a full-batch step, or a :class:`MiniBatchEpoch` over this rank's seed batches."""
     train = data.train_mask[split]
+    if (isinstance(config, StarConfig) and config.has_global_stage
+            and (batch_size is not None or num_neighbors is not None or world.size > 1)):
+        raise ValueError("train: NT*'s global stage attends over every node of the graph: on a NeighborLoader batch "
+                         "it would attend over the batch's nodes only (another model), and data-parallel ranks "
+                         "would each need the whole graph's forward; --batch-size, --num-neighbors and torchrun "
+                         "need a run without global stage (--epochs <= --local-epochs)")
     if batch_size is None and world.size == 1:
         if num_neighbors is not None:
             raise ValueError("train: num_neighbors (--num-neighbors) needs batch_size (--batch-size)")
@@ -168,7 +215,7 @@ def _mean_std(values):
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``train`` on an argparse subparsers object (handler: :func:`run`)."""
-    parser = subparsers.add_parser("train", help="train NT on a node-classification dataset (paper protocol)",
+    parser = subparsers.add_parser("train", help="train NT or NT* on a node-classification dataset (paper protocol)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True, choices=DATASETS)
     parser.add_argument("--data-root", default=None, help="folder with the dataset files (default: $NT_KERNELS_DATA)")
@@ -228,22 +275,39 @@ def _run(args, world: World) -> int:
             f"{1e3 * result['seconds_per_epoch']:.1f} ms/epoch, {result['epochs_per_second']:.3g} epochs/s)")
     test_mean, test_std = _mean_std([r["test"] for r in runs])
     val_mean, val_std = _mean_std([r["val"] for r in runs])
-    summary = {"dataset": args.dataset, "directed": config.directed, "preset": args.preset, "config": asdict(config),
+    summary = {"dataset": args.dataset, "model": config_model(config), "directed": config.directed,
+               "preset": args.preset, "config": asdict(config),
                "self_loops": config.self_loops, "metric": metric, "device": str(args.device), "dtype": args.dtype,
                "backend": args.backend, "fused": args.fused, "seed": args.seed, "splits": runs, "test_mean": test_mean,
                "test_std": test_std, "val_mean": val_mean, "val_std": val_std,
                "seconds_per_epoch": statistics.fmean(r["seconds_per_epoch"] for r in runs),
                "epochs_per_second": statistics.fmean(r["epochs_per_second"] for r in runs),
-               "world_size": world.size, "distributed_backend": world.backend, **options}
+               "world_size": world.size, "distributed_backend": world.backend, **options, **peak_memory(device)}
     log(f"{args.dataset}: test {metric} {100 * test_mean:.2f} ± {100 * test_std:.2f} over {len(runs)} split(s)")
-    if args.preset == "paper" and presets.reported(args.dataset, config.directed):
-        summary["reported"] = presets.reported(args.dataset, config.directed)
-        log(f"(the released script reports {summary['reported'][0]:.2f} ± {summary['reported'][1]:.2f} over 10 "
+    model = config_model(config)
+    if args.preset == "paper" and presets.reported(args.dataset, config.directed, model):
+        summary["reported"] = presets.reported(args.dataset, config.directed, model)
+        source = "the paper's NT* table" if model == "nt-star" else "the released script"
+        log(f"({source} reports {summary['reported'][0]:.2f} ± {summary['reported'][1]:.2f} over 10 "
             "splits at the full recipe)")
     if args.out and world.is_main:
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=2)
     return 0
+
+
+def config_model(config: TrainConfig) -> str:
+    """``--model`` of a configuration: ``nt-star`` for a :class:`StarConfig`, else ``nt``."""
+    return "nt-star" if isinstance(config, StarConfig) else "nt"
+
+
+def peak_memory(device) -> dict:
+    """Peak memory of this process so far: the maximum resident set (CPU, MiB) and, on CUDA, the peak of
+    torch's allocator on ``device`` (MiB)."""
+    peak = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if torch.device(device).type == "cuda":
+        peak["peak_cuda_mib"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return peak
 
 
 def _quiet(*args, **kwargs) -> None:

@@ -1,7 +1,9 @@
 """NT layers in PyTorch Geometric style (DESIGN §6): :class:`NTConv` and :class:`DirNT`.
 
 Graphs are passed as ``edge_index`` (2, E) (row 0 = centre j, row 1 =
-receiver k) or as a prebuilt :class:`NeighbourhoodCSR`.  Everything derived
+receiver k), as a sparse adjacency in PyG's ``adj_t`` convention (row =
+receiver k, column = centre j; :mod:`nt_kernels.nn.adjacency`) or as a
+prebuilt :class:`NeighbourhoodCSR`.  Everything derived
 from a graph (the centre CSR, the receiver CSR used for aggregation, the
 reversed CSR of DirNT, the exact/Performer segment split) is built once:
 
@@ -25,6 +27,7 @@ from torch import nn
 import nt_reference.ops as reference_ops
 from nt_kernels.backends import has_fused_kernel
 from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.nn.adjacency import adjacency_edge_index, is_adjacency
 from nt_kernels.nn.aggregate import (AGGREGATORS, GATE_GROUPS, GATED_AGGREGATORS, aggregate, receiver_csr,
                                      reversed_csr)
 from nt_kernels.ops import neighbourhood_attention, ntconv, segment_performer_attention, segment_softmax_attention
@@ -80,7 +83,8 @@ def _check_dropout(name: str, value) -> None:
 
 
 class _GraphCache:
-    """One-entry, content-keyed cache of the CSR built from an ``edge_index``."""
+    """One-entry, content-keyed cache of the CSR built from an ``edge_index`` (a sparse adjacency is read as its
+    ``edge_index`` first, :func:`~nt_kernels.nn.adjacency.adjacency_edge_index`, O(E) per call)."""
 
     def __init__(self):
         self.edge_index = None
@@ -90,9 +94,12 @@ class _GraphCache:
     def __call__(self, owner: str, graph, num_nodes: int) -> NeighbourhoodCSR:
         if isinstance(graph, NeighbourhoodCSR):
             return graph
+        if is_adjacency(graph):
+            graph = adjacency_edge_index(owner, graph, num_nodes)
         if not isinstance(graph, torch.Tensor):
-            raise ValueError(f"{owner}: the graph must be an edge_index tensor (2, E) or a NeighbourhoodCSR, "
-                             f"got {type(graph).__name__}")
+            raise ValueError(f"{owner}: the graph must be an edge_index tensor (2, E), a sparse adjacency adj_t "
+                             f"(torch.sparse COO / CSR / CSC or torch_sparse.SparseTensor, row = receiver) or a "
+                             f"NeighbourhoodCSR, got {type(graph).__name__}")
         cached = self.edge_index
         if (cached is not None and self.num_nodes == num_nodes and cached.shape == graph.shape
                 and cached.device == graph.device and torch.equal(cached, graph.to(cached.dtype))):

@@ -8,10 +8,46 @@ from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.nn.conv import (DirNT, NTConv, _check_backend, _check_dropout, _check_fused, _check_int, _check_x,
                                 _GraphCache)
 
-__all__ = ["NT"]
+__all__ = ["ConvStack", "NT"]
 
 
-class NT(nn.Module):
+class ConvStack(nn.Module):
+    """Base of the networks built from a list of NT layers ``self.convs``: their ``backend`` and ``fused``
+    settings, read from the first layer and set on all of them."""
+
+    convs: nn.ModuleList
+
+    @property
+    def backend(self) -> str:
+        """The ``backend`` of every layer (see :class:`NTConv`); settable."""
+        return self.convs[0].backend if len(self.convs) else "kernels"
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        value = _check_backend(f"{type(self).__name__}: backend", value)
+        for conv in self.convs:
+            conv.backend = value
+
+    @property
+    def fused(self) -> bool | None:
+        """The ``fused`` setting of every layer (see :class:`NTConv`); settable."""
+        return self.convs[0].fused if len(self.convs) else None
+
+    @fused.setter
+    def fused(self, value: bool | None) -> None:
+        _check_fused(type(self).__name__, value)
+        for conv in self.convs:
+            conv.fused = value
+
+    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``graph`` with every plan of every layer built (call before ``torch.compile``)."""
+        csr = self._graphs(f"{type(self).__name__}.prepare", graph, num_nodes)
+        for conv in self.convs:
+            conv.prepare(csr, num_nodes)
+        return csr
+
+
+class NT(ConvStack):
     """The paper's NT network (GAT-sep backbone, DESIGN §6).
 
     ``Linear -> Dropout -> GELU`` encoder to ``hidden`` channels; ``num_layers``
@@ -45,39 +81,11 @@ class NT(nn.Module):
         self.predictor = nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, out_channels))
         self._graphs = _GraphCache()
 
-    @property
-    def backend(self) -> str:
-        return self.convs[0].backend if self.num_layers else "kernels"
-
-    @backend.setter
-    def backend(self, value: str) -> None:
-        value = _check_backend("NT: backend", value)
-        for conv in self.convs:
-            conv.backend = value
-
-    @property
-    def fused(self) -> bool | None:
-        """The ``fused`` setting of every layer (see :class:`NTConv`); settable."""
-        return self.convs[0].fused if self.num_layers else None
-
-    @fused.setter
-    def fused(self, value: bool | None) -> None:
-        _check_fused("NT", value)
-        for conv in self.convs:
-            conv.fused = value
-
     def reset_parameters(self) -> None:
         for block in (self.encoder, self.norms, *self.ffns, self.predictor, self.convs):
             for module in block:
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
-
-    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
-        """The CSR of ``graph`` with every plan of every layer built (call before ``torch.compile``)."""
-        csr = self._graphs("NT.prepare", graph, num_nodes)
-        for conv in self.convs:
-            conv.prepare(csr, num_nodes)
-        return csr
 
     def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NT", x, self.in_channels)
