@@ -3,13 +3,13 @@ into the message gradient, the 4-warp prologue and the split-K weight gradient w
 
 Under TRITON_INTERPRET=1 (conftest.py) on CPU tensors, through ntconv_op directly (as tests/test_ntconv_triton.py,
 whose graphs and runners these tests reuse): the Triton stages run in the interpreter, the Performer stage on the
-CPU C++ kernel.  Low precision follows the 2x-PyTorch rule of tests/helpers.py against the float64 definition;
+CPU C++ kernel.  Low precision follows the accuracy rule of tests/helpers.py against the float64 definition;
 float32 runs match the float64 definition and the CPU fused op.
 """
 import pytest
 import torch
 
-from helpers import assert_close, assert_within_twice_torch_error
+from helpers import assert_close
 
 pytest.importorskip("triton")
 
@@ -19,8 +19,9 @@ from nt_kernels.backends.triton.ntconv_grad import grad_tiles  # noqa: E402
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles  # noqa: E402
 from nt_kernels.csr import reversed_csr  # noqa: E402
 from nt_kernels.nn.aggregate import receiver_csr  # noqa: E402
-from test_ntconv_triton import (AGGRS, HAS_CPU_OP, NODE_TENSORS, SIZES, THRESHOLD, Case,  # noqa: E402
-                                _run_weight_grad, _weight_grad_case, assert_matches_reference_and_cpu_op, make_graph,
+from test_ntconv_triton import (AGGRS, NODE_TENSORS, SIZES, THRESHOLD, Case,  # noqa: E402
+                                _run_weight_grad, _weight_grad_case, assert_low_precision_result,
+                                assert_matches_reference_and_cpu_op, make_graph,
                                 reference, run_triton)
 
 WEIGHTS = ("w_edge", "w_qkv", "b_qkv", "w_out", "b_out")
@@ -32,8 +33,8 @@ CHUNK_ROWS = 48
 def low_precision_case(aggr, *, autocast, edge_index=None, num_nodes=None, csr=None):
     """A case whose inputs are exact in bfloat16: all of them (``autocast`` False) or the parameters only
     (``autocast``: float32 node terms and edge features, as the op gets them under torch.autocast)."""
-    if edge_index is None:
-        edge_index, num_nodes = make_graph(SIZES * 3, receivers=24)
+    if edge_index is None:  # max: a receiver per message (near-ties would decide PyTorch's own error)
+        edge_index, num_nodes = make_graph(SIZES * 3, receivers=None if aggr == "max" else 24)
     case = Case(edge_index, num_nodes, aggr)
     if csr is not None:
         case.csr, case.rcsr = csr, receiver_csr(csr, num_nodes)
@@ -44,21 +45,13 @@ def low_precision_case(aggr, *, autocast, edge_index=None, num_nodes=None, csr=N
 
 
 def run_low_precision(case, *, autocast, **kw):
-    """The Triton op in bfloat16 (parameters; node terms too unless ``autocast``) and the checks of the
-    2x rule for the output and every gradient; returns the op's result."""
+    """The Triton op in bfloat16 (parameters; node terms too unless ``autocast``) and the accuracy rule
+    for the output and every gradient; returns the op's result."""
     node_dtype = torch.float32 if autocast else torch.bfloat16
     result = run_triton(case, dtype=node_dtype, param_dtype=torch.bfloat16, chunk_rows=CHUNK_ROWS, **kw)
     out, _, _, grads = result
     assert out.dtype == torch.bfloat16
-    truth, truth_grads = reference(case, **kw)
-    if autocast:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch_out, torch_grads = reference(case, dtype=torch.float32, **kw)
-    else:
-        torch_out, torch_grads = reference(case, dtype=torch.bfloat16, **kw)
-    assert_within_twice_torch_error(out.cpu(), torch_out, truth, "output")
-    for name, grad in grads.items():
-        assert_within_twice_torch_error(grad.cpu(), torch_grads[name], truth_grads[name], f"gradient of {name}")
+    assert_low_precision_result(case, out, grads, torch.bfloat16, kw, autocast=autocast)
     return result
 
 
@@ -102,7 +95,7 @@ def test_weight_grad_rejects_parts_that_are_not_row_blocks():
 def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     """Under autocast's dtypes (float32 node terms, bfloat16 parameters) every per-row buffer the backward
     writes (y, z, dz/du, dy, do, du) is bfloat16, do comes from the message gradient and du from the
-    du kernel (no row GEMM reads dy or dqkv), and the result keeps the 2x rule."""
+    du kernel (no row GEMM reads dy or dqkv), and the result keeps the accuracy rule."""
     seen = {}
     real_prologue, real_gemm, real_grad = ntconv_op.prologue, ntconv_op.rows_gemm, ntconv_op.message_grad
     real_du = ntconv_op.du_and_centre
@@ -141,11 +134,11 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     assert seen["message_grad"] == {(bf16, bf16, bf16)}
 
 
-# --------------------------------------------------- bf16 against the 2x rule
+# --------------------------------------------------- bf16 against the accuracy rule
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
 def test_bf16_every_aggregator_with_performer_neighbourhoods_and_chunks(aggr, gate_group):
     """bfloat16 throughout (intermediates included), edge features, dropout, Performer neighbourhoods,
-    several chunks: output and all eight gradients within twice PyTorch's bfloat16 error."""
+    several chunks: output and all eight gradients within the bfloat16 accuracy rule."""
     case = low_precision_case(aggr, autocast=False)
     run_low_precision(case, autocast=False, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2,
                       seed=6)
@@ -154,7 +147,7 @@ def test_bf16_every_aggregator_with_performer_neighbourhoods_and_chunks(aggr, ga
 @pytest.mark.parametrize("aggr, gate_group", [AGGRS[3], AGGRS[5]])
 def test_autocast_dirnt_reversed_graph(aggr, gate_group):
     """DirNT's second direction (the reversed CSR: edge_attr gathered through a non-trivial perm) under
-    autocast's dtypes, within the 2x rule; weight gradients bitwise equal on a rerun.  (``max`` on this
+    autocast's dtypes, within the accuracy rule; weight gradients bitwise equal on a rerun.  (``max`` on this
     graph exceeds the rule with fp32 intermediates as well, issue 19's code: 0.145 vs PyTorch's 0.062 on
     d_centre, from near-ties decided differently; bf16 ``max`` is checked on the undirected graph.)"""
     edge_index, n = make_graph(SIZES * 3, receivers=24, seed=5)
@@ -177,7 +170,6 @@ def test_wide_heads_store_dy_and_take_the_row_gemm(aggr, gate_group):
     assert_matches_reference_and_cpu_op(case, run_triton(case, chunk_rows=8, **kw), **kw)
 
 
-@pytest.mark.skipif(not HAS_CPU_OP, reason="the nt_kernels::ntconv_fwd schema and CPU kernel are not built yet")
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
 def test_float32_every_aggregator_matches_cpu_op_and_reruns_bitwise(aggr, gate_group):
     """float32 (intermediates float32), edge features, Performer neighbourhoods, 12-row chunks: against the
