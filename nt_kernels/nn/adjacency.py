@@ -38,9 +38,10 @@ def is_adjacency(graph) -> bool:
     return _is_sparse_tensor(graph) or (isinstance(graph, torch.Tensor) and graph.layout != torch.strided)
 
 
-def _pointer_to_index(pointer: torch.Tensor) -> torch.Tensor:
-    counts = pointer[1:] - pointer[:-1]
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=pointer.device), counts)
+def _pointer_to_index(pointer: torch.Tensor, total: int) -> torch.Tensor:
+    """The compressed dimension's index of each of the ``total`` stored entries (no host sync: the size is known)."""
+    counts = torch.diff(pointer)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=pointer.device), counts, output_size=total)
 
 
 def _rows_and_columns(owner: str, adj) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
@@ -57,9 +58,11 @@ def _rows_and_columns(owner: str, adj) -> tuple[torch.Tensor, torch.Tensor, tupl
     if adj.layout == torch.sparse_coo:
         row, col = adj.indices() if adj.is_coalesced() else adj._indices()
     elif adj.layout == torch.sparse_csr:
-        row, col = _pointer_to_index(adj.crow_indices()), adj.col_indices()
+        col = adj.col_indices()
+        row = _pointer_to_index(adj.crow_indices(), col.numel())
     else:
-        row, col = adj.row_indices(), _pointer_to_index(adj.ccol_indices())
+        row = adj.row_indices()
+        col = _pointer_to_index(adj.ccol_indices(), row.numel())
     return row, col, size
 
 
