@@ -7,8 +7,10 @@ tensor-core FLOPs of its products, and the time each implies at the H100 rooflin
 shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
 gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features).
 
-    python scripts/ntconv_bytes.py                  # this code: intermediates in the parameters' dtype
+    python scripts/ntconv_bytes.py                  # this code on sm_90: y from o in the message gradient
+    python scripts/ntconv_bytes.py --stored-y       # this code where y and dy are stored (sm_80 / sm_89, fp32)
     python scripts/ntconv_bytes.py --before         # issue 19's code: fp32 intermediates, unfused do, d_centre
+    python scripts/ntconv_bytes.py --floor          # the fewest bytes with recompute and these attention kernels
 """
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ TENSOR_FLOPS = 989e12  # dense bf16, H100 SXM
 
 
 def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated,
-            rows_in_plan=True):
+            rows_in_plan=True, split_grad=False):
     """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``rows_in_plan``: the segment of
-    every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before)."""
+    every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before);
+    ``split_grad``: the backward's message gradient recomputes y from o and sums dW_out itself
+    (``_message_grad_split_kernel``: sm_90, 16-bit parameters), so y and dy are never stored."""
     r, s, i = rows, param_size, inter_size
     index = 8  # int64 per row: receiver, centre segment (seg_of_row), perm
     edge = (index + edge_dim * node_size) * r if edge_dim else 0
@@ -43,18 +47,26 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     if not rows_in_plan:
         out.append(("bwd", "segment_of_rows", index * r, 0, "plan plumbing"))
     out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
-            ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
-            ("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
-    if fused_do:
+            ("bwd", "attention forward again", attention_fwd, 0, "not this change")]
+    splits = 512
+    if split_grad:  # o, receiver and g = grad_out[receiver] read, do written, dW_out / db_out partials
+        out.append(("bwd", "_message_grad_split_kernel: y from o, do, dW_out + combine",
+                    (c * s + index + c * s + c * s) * r + 2 * splits * c_out * (c + 1) * 4,
+                    3 * 2 * r * c * c_out, ""))
+    else:
+        out.append(("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, ""))
+    if split_grad:
+        pass  # dy and do come from the split kernel above
+    elif fused_do:
         out.append(("bwd", "_message_grad_kernel: dy, do = dy w_out", grad_in + (c_out * i + c * s) * r,
                     2 * r * c_out * c, ""))
     else:
         out += [("bwd", "_message_grad_kernel: dy", grad_in + c_out * i * r, 0, ""),
                 ("bwd", "_rows_gemm_kernel: do = dy w_out", (c_out * i + c * s) * r, 2 * r * c_out * c, "")]
-    splits = 512
-    out += [("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
-             + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""),
-            ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
+    if not split_grad:
+        out.append(("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
+                    + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""))
+    out += [("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
             ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * s) * r
              + 2 * splits * 3 * c * (c + 1) * 4, 2 * r * 3 * c * (c + 16), "")]
     du = (3 * c * s + 2 * c * i + (index if fused_do else 0)) * r
@@ -73,6 +85,25 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     return out
 
 
+def floor(rows, c, c_out, heads, node_size, param_size):
+    """The fewest bytes one layer can move while the backward recomputes q, k, v and o (this design) and
+    the attention kernels read and write what they do now: every kernel outside attention fused as far as
+    it can be (y, gates and the receiver reduction from o; the w_qkv gradient and du in one pass over dqkv,
+    z and dz/du recomputed from the gathered node terms), each per-row value once.  [(pass, stage, bytes)]"""
+    r, s, index = rows, param_size, 8
+    gather = 2 * index + c * node_size            # receiver and segment ids, the receiver-term row
+    qkv, o, lse = 3 * c * s, c * s, 4 * heads
+    return [("fwd", "prologue: gathers -> q, k, v", (gather + qkv) * r),
+            ("fwd", "attention forward: q, k, v -> o, lse", (qkv + o + lse) * r),
+            ("fwd", "y, gates and the receiver reduction from o", (o + index) * r),
+            ("bwd", "prologue again: gathers -> q, k, v", (gather + qkv) * r),
+            ("bwd", "attention forward again: q, k, v -> o", (qkv + o + lse) * r),
+            ("bwd", "message gradient from o: o, g -> do, dW_out", (o + index + c * s + c * s) * r),
+            ("bwd", "attention backward: q, k, v, o, do, lse -> dq, dk, dv", (qkv + 2 * o + lse + qkv) * r),
+            ("bwd", "w_qkv gradient and du: dqkv, gathers -> du, dW_qkv, d_centre", (qkv + gather + c * s) * r),
+            ("bwd", "d_receiver_term: du", (c * s + 4) * r)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=1_038_000)
@@ -85,10 +116,23 @@ def main() -> None:
     parser.add_argument("--node-bytes", type=int, default=2, help="bytes per node-term value (bf16 under autocast)")
     parser.add_argument("--before", action="store_true",
                         help="issue 19's code: fp32 y, dy, du, dz/du; do by a row GEMM; d_centre a reduction of du")
+    parser.add_argument("--stored-y", action="store_true",
+                        help="the backward stores y and dy (fp32 parameters, sm_80 / sm_89, max, the centre "
+                             "softmax): no split message gradient")
+    parser.add_argument("--floor", action="store_true",
+                        help="the fewest bytes this design allows with the attention kernels as they are")
     args = parser.parse_args()
     c = args.channels
+    if args.floor:
+        stages = floor(args.rows, c, 2 * c if args.gated else c, args.heads, args.node_bytes, 2)
+        print("| pass | stage | bytes |\n|---|---|---:|")
+        for phase, name, nbytes in stages:
+            print(f"| {phase} | {name} | {nbytes / 1e6:,.0f} MB |")
+        print(f"| | **total** | **{sum(b for _, _, b in stages) / 1e9:.2f} GB** |")
+        return
     rows = kernels(args.rows, args.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
-                   2, 4 if args.before else 2, not args.before, args.gated, rows_in_plan=not args.before)
+                   2, 4 if args.before else 2, not args.before, args.gated, rows_in_plan=not args.before,
+                   split_grad=not (args.before or args.stored_y))
     print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | |")
     print("|---|---|---:|---:|---:|---|")
     total_bytes = total_time = 0.0

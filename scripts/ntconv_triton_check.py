@@ -115,7 +115,7 @@ def main() -> int:
             parser.error(f"--arch {arch}: choose among {', '.join(map(str, sorted(SHARED_LIMIT)))}")
     dtypes = args.dtypes.split(",")
     jobs = [(arch, dtype, spec.name, i, args.spills) for arch in archs for dtype in dtypes
-            for spec in compile_specs(dtype) for i in range(len(launches(spec)))]
+            for spec in compile_specs(dtype) if arch >= spec.min_arch for i in range(len(launches(spec)))]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(compile_one, jobs))
     failed = False

@@ -15,11 +15,12 @@ pytest.importorskip("triton")
 
 from nt_kernels import NeighbourhoodCSR  # noqa: E402
 from nt_kernels.backends.triton import ntconv_op  # noqa: E402
-from nt_kernels.backends.triton.ntconv_grad import grad_tiles  # noqa: E402
+from nt_kernels.backends.triton.common import device_arch  # noqa: E402
+from nt_kernels.backends.triton.ntconv_grad import SPLIT_MIN_ARCH, grad_tiles  # noqa: E402
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles  # noqa: E402
 from nt_kernels.csr import reversed_csr  # noqa: E402
 from nt_kernels.nn.aggregate import receiver_csr  # noqa: E402
-from test_ntconv_triton import (AGGRS, NODE_TENSORS, SIZES, THRESHOLD, Case,  # noqa: E402
+from test_ntconv_triton import (AGGRS, DEVICE, NODE_TENSORS, SIZES, THRESHOLD, Case,  # noqa: E402
                                 _run_weight_grad, _weight_grad_case, assert_low_precision_result,
                                 assert_matches_reference_and_cpu_op, make_graph,
                                 reference, run_triton)
@@ -94,11 +95,12 @@ def test_weight_grad_rejects_parts_that_are_not_row_blocks():
 # ------------------------------------------- intermediates in the parameters' dtype
 def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     """Under autocast's dtypes (float32 node terms, bfloat16 parameters) every per-row buffer the backward
-    writes (y, z, dz/du, dy, do, du) is bfloat16, do comes from the message gradient and du from the
-    du kernel (no row GEMM reads dy or dqkv), and the result keeps the accuracy rule."""
+    writes (z, dz/du, do, du) is bfloat16; the backward stores neither y nor dy (gated_sum: the split
+    message gradient recomputes y from o and sums dW_out itself), do comes from it and du from the du
+    kernel (no row GEMM reads dy or dqkv), and the result keeps the accuracy rule."""
     seen = {}
     real_prologue, real_gemm, real_grad = ntconv_op.prologue, ntconv_op.rows_gemm, ntconv_op.message_grad
-    real_du = ntconv_op.du_and_centre
+    real_du, real_split = ntconv_op.du_and_centre, ntconv_op.message_grad_split
     c, c_out = case_channels = (8, 16)  # HEADS x DIM of the small graph; gated_sum: C_out = 2C
     products = {(c, c_out): "y", (3 * c, c): "du", (c_out, c): "do", (c, 3): "d_edge"}
 
@@ -120,7 +122,12 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
         seen.setdefault("message_grad", set()).add((dy.dtype, y.dtype, None if do is None else do.dtype))
         return real_grad(dy, y, mode, p, *args, do=do, **kw)
 
+    def message_grad_split(do, o, *args):
+        seen.setdefault("message_grad_split", set()).add((do.dtype, o.dtype))
+        return real_split(do, o, *args)
+
     case = low_precision_case("gated_sum", autocast=True)
+    monkeypatch.setattr(ntconv_op, "message_grad_split", message_grad_split)
     monkeypatch.setattr(ntconv_op, "prologue", prologue)
     monkeypatch.setattr(ntconv_op, "rows_gemm", rows_gemm)
     monkeypatch.setattr(ntconv_op, "message_grad", message_grad)
@@ -129,9 +136,13 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
                       dropout=0.2, seed=6)
     bf16 = torch.bfloat16
     assert seen["z"] == seen["jac"] == seen["du"] == bf16
-    # y in bf16; no row GEMM for do or du; d_edge in the edge features' float32
+    # y in bf16 (the forward's only where the message gradient reads o: the interpreter and sm_90); no row
+    # GEMM for do or du; d_edge in the edge features' float32
     assert seen["gemm"] == {("y", bf16), ("d_edge", torch.float32)}
-    assert seen["message_grad"] == {(bf16, bf16, bf16)}
+    if device_arch(DEVICE) >= SPLIT_MIN_ARCH:
+        assert "message_grad" not in seen and seen["message_grad_split"] == {(bf16, bf16)}
+    else:
+        assert "message_grad_split" not in seen and seen["message_grad"] == {(bf16, bf16, bf16)}
 
 
 # --------------------------------------------------- bf16 against the accuracy rule
@@ -181,6 +192,78 @@ def test_float32_every_aggregator_matches_cpu_op_and_reruns_bitwise(aggr, gate_g
     again = run_triton(case, **kw)[3]
     for name in WEIGHTS:
         assert torch.equal(result[3][name], again[name]), name
+
+
+# ------------------------------------------------ the message gradient from o (no y, no dy stored)
+SPLIT_AGGRS = [AGGRS[0], AGGRS[1], AGGRS[3], AGGRS[5]]  # sum, mean, weighted_mean-receiver, gated_sum
+
+
+def _force_split(monkeypatch, on=True):
+    """Take the split message gradient wherever it applies to the layer and mode (``on``), whatever the
+    dtype and device, or never (``on`` False: y and dy stored, the path of fp32 and of sm_80 / sm_89)."""
+    from nt_kernels.backends.triton import ntconv_grad
+
+    def width(heads, dim, mode, size, arch):
+        return ntconv_grad.split_width(heads, dim, mode, 2, 90) if on else 0
+    monkeypatch.setattr(ntconv_op, "split_width", width)
+
+
+def test_split_message_grad_applies_to_the_tolokers_layer_on_sm90_in_16_bits():
+    """gated_sum at H = 2, D = 30 in bf16 / fp16 on sm_90: BLOCK_C = 64; not for fp32, sm_80 / sm_89,
+    max (tie keys equal the forward's stored y), the centre softmax (two passes) or wide heads."""
+    from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX, GRAD_SUM,
+                                                        split_width)
+
+    assert split_width(2, 30, GRAD_GATED_SUM, 2, 90) == 64
+    assert split_width(2, 30, GRAD_SUM, 2, 90) == 64
+    assert split_width(2, 30, GRAD_GATED_SUM, 4, 90) == split_width(2, 30, GRAD_GATED_SUM, 2, 89) == 0
+    assert split_width(2, 30, GRAD_MAX, 2, 90) == split_width(2, 30, GRAD_CENTRE_B, 2, 90) == 0
+    assert split_width(16, 32, GRAD_SUM, 2, 90) == split_width(1, 130, GRAD_SUM, 2, 90) == 0
+
+
+@pytest.mark.parametrize("aggr, gate_group", SPLIT_AGGRS)
+def test_split_message_grad_float32_matches_reference_and_cpu_op(aggr, gate_group, monkeypatch):
+    """The split message gradient run on float32 operands (its kernel is dtype-generic): edge features,
+    dropout, Performer neighbourhoods, 12-row chunks; output and all eight gradients against the float64
+    definition and the CPU op; weight gradients bitwise equal on a rerun."""
+    calls = []
+    real = ntconv_op.message_grad_split
+    _force_split(monkeypatch)
+    monkeypatch.setattr(ntconv_op, "message_grad_split", lambda *a: calls.append(a[0].shape) or real(*a))
+    case = Case(*make_graph(), aggr)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=5)
+    result = run_triton(case, **kw)
+    assert calls, "the split message gradient did not run"
+    assert_matches_reference_and_cpu_op(case, result, **kw)
+    again = run_triton(case, **kw)[3]
+    for name in WEIGHTS:
+        assert torch.equal(result[3][name], again[name]), name
+
+
+@pytest.mark.parametrize("aggr, gate_group", [AGGRS[1], AGGRS[5]])
+def test_split_message_grad_over_several_row_blocks(aggr, gate_group, monkeypatch):
+    """One chunk of 150 rows (split-K blocks of 64, the last one ragged) with a hub in it: float32 against
+    the float64 definition and the CPU op, and against the stored-y path within the float32 tolerance."""
+    case = Case(*make_graph([40, 3, 30, 1, 0, 50, 2, 24], receivers=6, seed=4), aggr)
+    kw = dict(aggr=aggr, gate_group=gate_group, threshold=64, dropout=0.1, seed=8)
+    _force_split(monkeypatch)
+    split = run_triton(case, chunk_rows=4096, **kw)
+    assert_matches_reference_and_cpu_op(case, split, **kw)
+    _force_split(monkeypatch, on=False)
+    stored = run_triton(case, chunk_rows=4096, **kw)
+    for name in WEIGHTS:
+        if split[3][name] is not None:
+            assert_close(split[3][name], stored[3][name], f"{name}: split against stored y")
+
+
+@pytest.mark.parametrize("aggr, gate_group", [AGGRS[0], AGGRS[5]])
+def test_stored_y_path_of_the_split_modes_in_bf16(aggr, gate_group, monkeypatch):
+    """The path fp32 and sm_80 / sm_89 take for these modes (y and dy stored, dW_out by the split-K weight
+    gradient), in bfloat16 within the accuracy rule."""
+    _force_split(monkeypatch, on=False)
+    case = low_precision_case(aggr, autocast=False)
+    run_low_precision(case, autocast=False, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2,
+                      seed=6)
 
 
 # ------------------------------------------------ du and d_centre from one kernel

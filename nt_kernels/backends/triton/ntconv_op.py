@@ -13,7 +13,9 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
    are finished from that state at the end.
 
 The backward recomputes 1-3 per chunk, gets dy and do = dy · w_out from the
-saved (out, stats, lse) in one kernel (ntconv_grad.py), then the attention
+saved (out, stats, lse) in one kernel (ntconv_grad.py; where ``split_width``
+allows, that kernel recomputes y from o itself and also sums dW_out and
+db_out, so y and dy are never stored), then the attention
 backward, and du = (dqkv · w_qkv) · dz/du with d_centre (per-segment sums of
 the same tiles, ntconv_gemm._du_kernel); weight and bias gradients are split-K
 tensor-core reductions over fixed row blocks (ntconv_wgrad.py) added to fp32
@@ -43,10 +45,12 @@ import math
 import torch
 from torch.library import register_kernel
 
+from nt_kernels.backends.triton.common import device_arch
 from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
 from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, prologue, rows_gemm
 from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
-                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, grad_tiles, message_grad)
+                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, grad_tiles, message_grad,
+                                                    message_grad_split, split_width)
 from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, State, gate_values,
                                                       receive, segment_softmax, segment_sum)
 from nt_kernels.backends.triton.ntconv_wgrad import weight_grad
@@ -110,9 +114,9 @@ def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
                                                       chunk.performer_table, p.projection, p.eps)
 
 
-def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
+def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool, project: bool = True):
     """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du), every per-row buffer in the parameters'
-    dtype (the autocast dtype under autocast); z and dz/du only in the backward."""
+    dtype (the autocast dtype under autocast); z and dz/du only in the backward, y only if ``project``."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
     qkv = qkv_buffer(p, chunk, p.dtype)
     z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
@@ -121,6 +125,8 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool):
     q, k, v = qkv[:, :rows].unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
     _attention_fwd(p, chunk, o, lse, q, k, v)
+    if not project:
+        return None, o, q, k, v, z, jac
     y = torch.empty((rows, p.out_channels), dtype=p.dtype, device=p.device)
     c = p.channels
     rows_gemm(y, o, p.w_out, rows=rows, k=c, n=p.out_channels, a_split=c, a_part=0, a_row=c, w_k=1, w_n=c,
@@ -180,6 +186,14 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     return out, lse, stats
 
 
+def _grad_mode(p: Problem) -> int:
+    """The message gradient's mode (ntconv_grad.py); GRAD_CENTRE_B: the two passes of the centre softmax."""
+    if p.aggr == "weighted_mean" and p.gate_group == "centre":
+        return GRAD_CENTRE_B
+    return {"sum": GRAD_SUM, "mean": GRAD_MEAN, "max": GRAD_MAX, "gated_sum": GRAD_GATED_SUM,
+            "weighted_mean": GRAD_SOFTMAX}[p.aggr]
+
+
 def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
     """(dy (rows, C_out), do (rows, C)) for one chunk, both in the parameters' dtype: do = dy · w_out
     fused into the message gradient (ntconv_grad.py) where a row's heads fit, else a row GEMM."""
@@ -187,7 +201,7 @@ def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
     do = torch.empty_like(o)
     fuse = grad_tiles(p.heads, p.head_dim).fuse_do
     grad_do = do if fuse else None
-    if p.aggr == "weighted_mean" and p.gate_group == "centre":
+    if _grad_mode(p) == GRAD_CENTRE_B:
         gate = _gates(p, chunk, y, seg_of_row)
         wa = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device)
         message_grad(dy, y, GRAD_CENTRE_A, p, chunk, saved, seg_of_row, gate=gate, wa=wa)
@@ -195,9 +209,7 @@ def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
         segment_sum(seg_sum, wa, chunk, p.heads)
         message_grad(dy, y, GRAD_CENTRE_B, p, chunk, saved, seg_of_row, do=grad_do, gate=gate, seg_sum=seg_sum)
     else:
-        mode = {"sum": GRAD_SUM, "mean": GRAD_MEAN, "max": GRAD_MAX, "gated_sum": GRAD_GATED_SUM,
-                "weighted_mean": GRAD_SOFTMAX}[p.aggr]
-        message_grad(dy, y, mode, p, chunk, saved, seg_of_row, do=grad_do)
+        message_grad(dy, y, _grad_mode(p), p, chunk, saved, seg_of_row, do=grad_do)
     if not fuse:
         c_out = p.out_channels
         rows_gemm(do, dy, p.w_out, rows=chunk.rows, k=c_out, n=p.channels, a_split=c_out, a_part=0, a_row=c_out,
@@ -282,12 +294,16 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     seg_of_row = segment_of_rows(chunk)
     # lse rows of Performer segments are never read; zeros where a row may belong to no list.
     lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
-    # Recompute steps 1-3, then dy from the saved state.
-    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True)
-    # dy and do = dy · w_out from the saved state, then the output projection's dW_out += dyᵀ o and db_out.
-    dy, do = _message_grad(p, chunk, y, o, seg_of_row, saved)
-    c_out = p.out_channels
-    _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
+    # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o), then dy from the saved state.
+    split = split_width(p.heads, p.head_dim, _grad_mode(p), p.w_out.element_size(), device_arch(p.device)) > 0
+    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True, project=not split)
+    if split:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
+        do = torch.empty_like(o)
+        message_grad_split(do, o, _grad_mode(p), p, chunk, saved, g.w_out, g.b_out)
+    else:  # dy and do = dy · w_out from the stored y, then the output projection's dW_out += dyᵀ o and db_out
+        dy, do = _message_grad(p, chunk, y, o, seg_of_row, saved)
+        c_out = p.out_channels
+        _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
     # Attention backward, then the prologue's gradients.
     dqkv = qkv_buffer(p, chunk, p.dtype, fill=not p.plan.rows_covered)
     _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse)

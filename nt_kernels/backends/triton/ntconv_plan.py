@@ -72,12 +72,13 @@ import torch
 
 from nt_kernels.backends.triton.ntconv_tiles import (PrologueTiles, ReduceTiles, WeightGradTiles, merge_tiles,
                                                      normalize_tiles, prologue_tiles, reduce_launch, reduce_tiles,
-                                                     weight_grad_tiles)
+                                                     split_k_rows, weight_grad_tiles)
 from nt_kernels.backends.triton.plan import H_MULTI, H_TILES, TILE_HEIGHTS, build_plan
 
 __all__ = ["Chunk", "FUSED_MAGIC", "PART_ROWS", "PIECE_ROWS", "Plan", "PrologueTiles", "REDUCE_CLASSES", "Reduction",
            "ReduceTiles", "WeightGradTiles", "build_ntconv_plan", "cached_plan", "default_chunk_rows", "merge_tiles",
-           "normalize_tiles", "prologue_tiles", "read_plan", "reduce_launch", "reduce_tiles", "weight_grad_tiles"]
+           "normalize_tiles", "prologue_tiles", "read_plan", "reduce_launch", "reduce_tiles", "split_k_rows",
+           "weight_grad_tiles"]
 
 FUSED_MAGIC = 0x4E54_4633  # "NTF3" (NTF2: no alignment, Performer tables or row segments; NTF1: no size classes)
 HEADER = 16

@@ -33,6 +33,7 @@ class Spec(NamedTuple):
     types: dict           # runtime argument -> Triton type string ("*bf16", "i32", ...)
     constexprs: dict      # launch constexprs besides the config's
     options: dict | None = None  # num_warps / num_stages of a kernel launched without autotuning
+    min_arch: int = 0     # launched only on this compute capability or newer
 
 
 def launches(spec: Spec) -> list[tuple[object, dict, dict]]:
@@ -108,12 +109,22 @@ def compile_specs(dtype: str) -> list[Spec]:
                           dict(y=t, gate="*fp32", R="i32", H="i32", D="i32", C_OUT="i32"),
                           dict(SIGMOID=True, BLOCK_E=be, BLOCK_H=bh, BLOCK_D=bd), dict(num_warps=4, num_stages=1)))
     # The message gradient at the tolokers preset's heads (do fused) and at two wide layers (dy only).
+    size = 4 if dtype == "fp32" else 2
     for heads, dim in ((2, 30), (16, 32), (1, 256)):
         g = ntconv_grad.grad_tiles(heads, dim)
         specs += [Spec(f"message_grad{mode} H{heads} D{dim}", ntconv_grad._message_grad_kernel, grad,
                        dict(base, H=heads, D=dim, MODE=mode, FUSE_DO=g.fuse_do and mode != 5, BLOCK_E=g.block_e,
                             BLOCK_H=g.block_h, BLOCK_D=g.block_d, BLOCK_N=ntconv_grad.DO_BLOCK_N),
                        dict(num_warps=g.num_warps, num_stages=1)) for mode in range(7)]
+        split = dict(o=t, g_out=t, out=t, stats="*fp32", recv_rowptr="*i64", receiver="*i64", w_out=t, b_out=t, do=t,
+                     partials="*fp32", row0="i32", R="i32")
+        specs += [Spec(f"message_grad_split{mode} H{heads} D{dim}", ntconv_grad._message_grad_split_kernel, split,
+                       dict(base, H=heads, D=dim, MODE=mode, SPLIT_ROWS=ntconv_plan.split_k_rows(1 << 20),
+                            BLOCK_E=g.block_e, BLOCK_H=g.block_h, BLOCK_D=g.block_d,
+                            BLOCK_C=ntconv_grad.split_width(heads, dim, mode, size, ntconv_grad.SPLIT_MIN_ARCH)),
+                       dict(num_warps=ntconv_grad.SPLIT_WARPS, num_stages=1), ntconv_grad.SPLIT_MIN_ARCH)
+                  for mode in ntconv_grad.SPLIT_MODES
+                  if ntconv_grad.split_width(heads, dim, mode, size, ntconv_grad.SPLIT_MIN_ARCH)]
     return specs + _reduction_specs(t, all_modes=dtype == "fp32")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["PrologueTiles", "REDUCE_MAX_CHANNELS", "REDUCE_MAX_ROWS", "REDUCE_STATE", "REDUCE_TILE", "ReduceTiles",
            "WeightGradTiles", "merge_tiles", "normalize_tiles", "prologue_tiles", "reduce_launch", "reduce_tiles",
-           "weight_grad_tiles"]
+           "split_k_rows", "weight_grad_tiles"]
 
 
 def _pow2(n: int, low: int = 16) -> int:
@@ -73,6 +73,12 @@ class WeightGradTiles:
     num_warps: int
 
 
+def split_k_rows(rows: int) -> int:
+    """Rows per split-K block of a chunk's ``rows`` rows: about WGRAD_SPLITS blocks of a power-of-two size,
+    at least WGRAD_MIN_SPLIT_ROWS (depends on the row count only, so sums are bitwise the same run to run)."""
+    return _pow2(-(-max(rows, 1) // WGRAD_SPLITS), WGRAD_MIN_SPLIT_ROWS)
+
+
 def weight_grad_tiles(rows: int, m: int, n: int, dtype_bytes: int = 2) -> WeightGradTiles:
     """Tiles of dW (m, n) = Aᵀ B over ``rows`` rows, for one part of A (m = C for each of q, k, v).
 
@@ -85,7 +91,7 @@ def weight_grad_tiles(rows: int, m: int, n: int, dtype_bytes: int = 2) -> Weight
     block_n = min(_pow2(n), 128)  # 256-wide B tiles spill on sm_89 (bf16)
     wide = dtype_bytes > 2
     block_m = min(_pow2(m), max(16, WGRAD_ACCUMULATOR // (block_n * (2 if wide else 1))), 64 if wide else 128)
-    split_rows = _pow2(-(-max(rows, 1) // WGRAD_SPLITS), WGRAD_MIN_SPLIT_ROWS)
+    split_rows = split_k_rows(rows)
     return WeightGradTiles(32, block_m, block_n, split_rows, -(-rows // split_rows), 8 if dtype_bytes > 2 else 4)
 
 

@@ -42,7 +42,7 @@ import triton.language as tl
 from nt_kernels.backends.triton.common import cast, mm
 from nt_kernels.backends.triton.ntconv_plan import PART_ROWS, weight_grad_tiles
 
-__all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "weight_grad"]
+__all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "combine", "weight_grad"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 COMBINE_BLOCK = 64    # output elements per combine program (w_qkv with C = 60: 172 programs)
@@ -150,6 +150,14 @@ def weight_grad(w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part, a_row, b_row
                               GATHER=index is not None, PART_ALIGN=part_align,
                               DOT_DTYPE=TL_DTYPES[dtype], DOT_PREC=dot_prec, BF16_EMU=bf16_emu,
                               num_warps=t.num_warps, num_stages=NUM_STAGES)
-    _combine_kernel[(triton.cdiv(m * (n + has_bias), COMBINE_BLOCK),)](
-        partials, w_acc, w_acc if b_acc is None else b_acc, t.splits, m, n, HAS_BIAS=has_bias,
+    combine(partials, w_acc, b_acc)
+
+
+def combine(partials, w_acc, b_acc) -> None:
+    """w_acc (m, n) += the sum over splits of partials[:, :, :n] in split order, and b_acc (m) += that of
+    partials[:, :, n] when ``b_acc`` is given; partials is (splits, m, n + (b_acc is not None)) fp32."""
+    splits, m, width = partials.shape
+    has_bias = b_acc is not None
+    _combine_kernel[(triton.cdiv(m * width, COMBINE_BLOCK),)](
+        partials, w_acc, w_acc if b_acc is None else b_acc, splits, m, width - has_bias, HAS_BIAS=has_bias,
         BLOCK_S=COMBINE_SPLITS, BLOCK=COMBINE_BLOCK, num_warps=4)
