@@ -31,16 +31,21 @@
 #            tests/test_mutants.py, the mutation harness over the CUDA Performer and compiled Triton
 #   4 bench  only when asked (GPU_CHECK_STAGES=2,3,4; its own budget GPU_BENCH_BUDGET, 240 s):
 #            the op benchmarks of the first run (scripts/gpu_perf.sh is the performance probe)
+#   5 sanitize  (issue 28; its own budget GPU_SANITIZE_BUDGET, 150 s, after stages 1-3)
+#            compute-sanitizer's memcheck, racecheck and initcheck over scripts/gpu_sanitize.py: the fused
+#            op in 64-row chunks with Performer neighbourhoods and a hub, every buffer it allocates starting
+#            as NaN, and the three CUDA Performer implementations (SIMT; WMMA bf16/fp16; 3xTF32 fp32),
+#            each result checked against the CPU op; 5-sanitize.log has each tool's ERROR SUMMARY line
 # Each stage's log ends with how many Triton kernels it loaded, how many hit the cache and how
 # long compiling took; summary.json has the stage times, every failed check row and test, the
 # unfinished ones, and those counts.  Triton autotuning is pinned (NT_KERNELS_TRITON_AUTOTUNE=0).
 #
-# Environment (besides scripts/gpu_common.sh's): GPU_CHECK_STAGES (default 2,3; stage 1 always
-# runs), GPU_CHECK_BUDGET, GPU_BENCH_BUDGET, GPU_WORK (default /tmp/nt-gpu-check).
+# Environment (besides scripts/gpu_common.sh's): GPU_CHECK_STAGES (default 2,3,5; stage 1 always
+# runs), GPU_CHECK_BUDGET, GPU_BENCH_BUDGET, GPU_SANITIZE_BUDGET, GPU_WORK (default /tmp/nt-gpu-check).
 set -uo pipefail   # no -e: a failing stage is recorded and the next one runs
 source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-${GPU_CHECK_WORK:-/tmp/nt-gpu-check}}"
-GPU_CHECK_STAGES=${GPU_CHECK_STAGES:-2,3}
+GPU_CHECK_STAGES=${GPU_CHECK_STAGES:-2,3,5}
 BUDGET=${GPU_CHECK_BUDGET:-240}
 DEADLINE=$(( START + BUDGET ))
 export DEADLINE
@@ -178,8 +183,34 @@ stage_bench() {
       --epochs 3 --out "$WORK/json/train-epoch.json"
   fi
 }
+# ---------------------------------------------------------------- stage 5
+stage_sanitize() {
+  local tool tools=(memcheck racecheck initcheck) n=3 limit rc failed=0
+  if ! have_cuda; then
+    echo "SKIP compute-sanitizer (no CUDA device): the workloads on CPU, to catch script errors"
+    ntpy "$REPO/scripts/gpu_sanitize.py" --device cpu 2>&1 | grep -v "^  ok "
+    return "${PIPESTATUS[0]}"
+  fi
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "SKIP compute-sanitizer: not on PATH"
+    return 1
+  fi
+  for tool in "${tools[@]}"; do  # the stage's time split evenly over the tools left
+    limit=$(( (SANITIZE_DEADLINE - $(date +%s)) / n ))
+    n=$(( n - 1 ))
+    echo "-- $tool (limit ${limit} s)"
+    (cd "$WORK" && timeout --kill-after=5 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+      "$PY" -P "$REPO/scripts/gpu_sanitize.py") >"$WORK/logs/sanitize-$tool.log" 2>&1
+    rc=$?
+    grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$tool.log" | tail -5
+    echo "-- $tool: exit $rc"
+    [ "$rc" = 0 ] || failed=1
+  done
+  return $failed
+}
+
 export -f stage_env stage_build stage_check check_shard stage_tests stage_bench bench_step left cap install_site \
-  build_extension triton_cache_setup
+  build_extension triton_cache_setup stage_sanitize
 
 # ------------------------------------------------------------------- summary
 stage_done() {
@@ -227,8 +258,12 @@ if os.path.exists(collected):
 records = gpu_triton.read_log([f"{work}/logs/triton.jsonl"])
 triton = {name: gpu_triton.counts(records, name) for name in ["warm", *stages]}
 env = json.load(open(f"{work}/json/env.json")) if os.path.exists(f"{work}/json/env.json") else {}
+sanitize = {}  # tool -> "ERROR SUMMARY: N errors" of its run, or None where it did not finish
+for path in sorted(glob.glob(f"{work}/logs/sanitize-*.log")):
+    lines = [line.strip() for line in open(path, errors="replace") if "ERROR SUMMARY" in line]
+    sanitize[os.path.basename(path)[len("sanitize-"):-len(".log")]] = lines[-1] if lines else None
 json.dump({"total_seconds": int(os.environ["TOTAL"]), "env": env, "stages": stages, "check": check, "tests": tests,
-           "triton": triton}, open(out, "w"), indent=1)
+           "sanitize": sanitize, "triton": triton}, open(out, "w"), indent=1)
 PY
 }
 
@@ -256,8 +291,13 @@ if selected 4; then
   export BENCH_DEADLINE
   run_stage 4 bench $(( BENCH_DEADLINE - $(date +%s) + 15 )) stage_bench
 fi
+if selected 5; then
+  SANITIZE_DEADLINE=$(( $(date +%s) + ${GPU_SANITIZE_BUDGET:-150} ))
+  export SANITIZE_DEADLINE
+  run_stage 5 sanitize $(( SANITIZE_DEADLINE - $(date +%s) + 15 )) stage_sanitize
+fi
 echo "gpu_check: done in $(elapsed) s; stages: $(for s in "${!STATUS[@]}"; do
   printf '%s=%s (%s s) ' "$s" "${STATUS[$s]}" "${SECONDS_USED[$s]}"; done)"
-for s in check tests; do
+for s in check tests sanitize; do
   [ -z "${STATUS[$s]:-}" ] || [ "${STATUS[$s]}" = ok ] || exit 1
 done

@@ -7,8 +7,8 @@ tensor-core FLOPs of its products, and the time each implies at the H100 rooflin
 shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
 gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features).
 
-    python scripts/ntconv_bytes.py                  # this code on sm_90: y from o in the message gradient
-    python scripts/ntconv_bytes.py --stored-y       # this code where y and dy are stored (sm_80 / sm_89, fp32)
+    python scripts/ntconv_bytes.py                  # this code on sm_90: of the per-row buffers only do, du stored
+    python scripts/ntconv_bytes.py --stored-y       # where y, dy, z, dz/du are stored (sm_80 / sm_89, fp32)
     python scripts/ntconv_bytes.py --before         # issue 19's code: fp32 intermediates, unfused do, d_centre
     python scripts/ntconv_bytes.py --floor          # the fewest bytes with recompute and these attention kernels
 """
@@ -21,20 +21,24 @@ TENSOR_FLOPS = 989e12  # dense bf16, H100 SXM
 
 
 def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated,
-            rows_in_plan=True, split_grad=False):
+            rows_in_plan=True, sm90=False):
     """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``rows_in_plan``: the segment of
     every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before);
-    ``split_grad``: the backward's message gradient recomputes y from o and sums dW_out itself
-    (``_message_grad_split_kernel``: sm_90, 16-bit parameters), so y and dy are never stored."""
+    ``sm90``: the paths of sm_90 with 16-bit parameters: the backward's message gradient recomputes y from o
+    and sums dW_out itself (``_message_grad_split_kernel``: y and dy never stored), and the input gradients
+    recompute z and dz/du and sum dW_qkv with du and d_centre in one pass over dqkv
+    (``_input_grad_split_kernel``: z and dz/du never stored)."""
     r, s, i = rows, param_size, inter_size
     index = 8  # int64 per row: receiver, centre segment (seg_of_row), perm
     edge = (index + edge_dim * node_size) * r if edge_dim else 0
-    prologue = (2 * index + c * node_size + 3 * c * s) * r + edge + nodes * c * node_size
+    gathers = (2 * index + c * node_size) * r + edge  # what the prologue reads per row
+    prologue = gathers + 3 * c * s * r + nodes * c * node_size
     prologue_flops = 2 * r * c * 3 * c + 2 * r * edge_dim * c
     attention_fwd = (3 * c * s + c * s + 4 * heads) * r
     values = c if gated else c_out  # the columns a receiver reduction reads
     gate = 4 * heads * r if gated else 0
     y_gemm = (c * s + c_out * i) * r
+    splits = 512
     out = [] if rows_in_plan else [("fwd", "segment_of_rows (torch.searchsorted)", index * r, 0, "plan plumbing")]
     out += [("fwd", "_prologue_kernel", prologue, prologue_flops, ""),
             ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change"),
@@ -43,39 +47,42 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
         out.append(("fwd", "_gate_kernel", (c * i) * r + gate, 0, ""))
     out.append(("fwd", "_reduce_kernel (receivers) + merge", (4 + values * i) * r + gate + 2 * 2 * nodes * c * 4,
                 0, ""))
-    grad_in = (c_out * i + index + c * s) * r  # y, receiver, g = grad_out[receiver]
     if not rows_in_plan:
         out.append(("bwd", "segment_of_rows", index * r, 0, "plan plumbing"))
-    out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
-            ("bwd", "attention forward again", attention_fwd, 0, "not this change")]
-    splits = 512
-    if split_grad:  # o, receiver and g = grad_out[receiver] read, do written, dW_out / db_out partials
-        out.append(("bwd", "_message_grad_split_kernel: y from o, do, dW_out + combine",
-                    (c * s + index + c * s + c * s) * r + 2 * splits * c_out * (c + 1) * 4,
-                    3 * 2 * r * c * c_out, ""))
+    if sm90:
+        out += [("bwd", "_prologue_kernel", prologue, prologue_flops, ""),
+                ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
+                # o, receiver and g = grad_out[receiver] read, do written, dW_out / db_out partials
+                ("bwd", "_message_grad_split_kernel: y from o, do, dW_out + combine",
+                 (c * s + index + c * s + c * s) * r + 2 * splits * c_out * (c + 1) * 4, 3 * 2 * r * c * c_out, ""),
+                ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
+                # the prologue's gathers again, dqkv read once, du written, d_centre, dW_qkv / db_qkv partials
+                ("bwd", "_input_grad_split_kernel: z, dz/du again, du, d_centre, dW_qkv + combine",
+                 gathers + (3 * c * s + c * i) * r + 2 * nodes * c * 4 + 2 * splits * 3 * c * (c + 1) * 4,
+                 2 * 2 * r * 3 * c * c + 2 * r * 32 * c + 2 * r * edge_dim * c, "")]
     else:
-        out.append(("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, ""))
-    if split_grad:
-        pass  # dy and do come from the split kernel above
-    elif fused_do:
-        out.append(("bwd", "_message_grad_kernel: dy, do = dy w_out", grad_in + (c_out * i + c * s) * r,
-                    2 * r * c_out * c, ""))
-    else:
-        out += [("bwd", "_message_grad_kernel: dy", grad_in + c_out * i * r, 0, ""),
-                ("bwd", "_rows_gemm_kernel: do = dy w_out", (c_out * i + c * s) * r, 2 * r * c_out * c, "")]
-    if not split_grad:
-        out.append(("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
-                    + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""))
-    out += [("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
-            ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * s) * r
-             + 2 * splits * 3 * c * (c + 1) * 4, 2 * r * 3 * c * (c + 16), "")]
-    du = (3 * c * s + 2 * c * i + (index if fused_do else 0)) * r
-    if fused_do:  # the tile's segment sums ride along (one-hot products), crossing segments' partials fixed up
-        out.append(("bwd", "_du_kernel: du = (dqkv w_qkv) dz/du, d_centre", du + 2 * nodes * c * 4,
-                    2 * r * 3 * c * c + 2 * r * 32 * c, ""))
-    else:
-        out += [("bwd", "_rows_gemm_kernel: du = (dqkv w_qkv) dz/du", du, 2 * r * 3 * c * c, ""),
-                ("bwd", "_reduce_kernel: d_centre", c * i * r, 0, "")]
+        grad_in = (c_out * i + index + c * s) * r  # y, receiver, g = grad_out[receiver]
+        out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
+                ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
+                ("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
+        if fused_do:
+            out.append(("bwd", "_message_grad_kernel: dy, do = dy w_out", grad_in + (c_out * i + c * s) * r,
+                        2 * r * c_out * c, ""))
+        else:
+            out += [("bwd", "_message_grad_kernel: dy", grad_in + c_out * i * r, 0, ""),
+                    ("bwd", "_rows_gemm_kernel: do = dy w_out", (c_out * i + c * s) * r, 2 * r * c_out * c, "")]
+        out += [("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
+                 + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""),
+                ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
+                ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * s) * r
+                 + 2 * splits * 3 * c * (c + 1) * 4, 2 * r * 3 * c * (c + 16), "")]
+        du = (3 * c * s + 2 * c * i + (index if fused_do else 0)) * r
+        if fused_do:  # the tile's segment sums ride along (one-hot products), crossing segments' partials fixed up
+            out.append(("bwd", "_du_kernel: du = (dqkv w_qkv) dz/du, d_centre", du + 2 * nodes * c * 4,
+                        2 * r * 3 * c * c + 2 * r * 32 * c, ""))
+        else:
+            out += [("bwd", "_rows_gemm_kernel: du = (dqkv w_qkv) dz/du", du, 2 * r * 3 * c * c, ""),
+                    ("bwd", "_reduce_kernel: d_centre", c * i * r, 0, "")]
     out.append(("bwd", "_reduce_kernel: d_receiver_term", (4 + c * i) * r, 0, ""))
     if edge_dim:
         out += [("bwd", "_weight_grad_kernel: w_edge", (c * i + index + edge_dim * node_size) * r,
@@ -117,8 +124,8 @@ def main() -> None:
     parser.add_argument("--before", action="store_true",
                         help="issue 19's code: fp32 y, dy, du, dz/du; do by a row GEMM; d_centre a reduction of du")
     parser.add_argument("--stored-y", action="store_true",
-                        help="the backward stores y and dy (fp32 parameters, sm_80 / sm_89, max, the centre "
-                             "softmax): no split message gradient")
+                        help="the backward stores y, dy, z and dz/du (fp32 parameters, sm_80 / sm_89, "
+                             "NT_KERNELS_NTCONV_STORED=1; y and dy also for max and the centre softmax)")
     parser.add_argument("--floor", action="store_true",
                         help="the fewest bytes this design allows with the attention kernels as they are")
     args = parser.parse_args()
@@ -132,7 +139,7 @@ def main() -> None:
         return
     rows = kernels(args.rows, args.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
                    2, 4 if args.before else 2, not args.before, args.gated, rows_in_plan=not args.before,
-                   split_grad=not (args.before or args.stored_y))
+                   sm90=not (args.before or args.stored_y))
     print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | |")
     print("|---|---|---:|---:|---:|---|")
     total_bytes = total_time = 0.0

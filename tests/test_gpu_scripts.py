@@ -123,7 +123,7 @@ def dry_env(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def check_dry_run(tmp_path_factory):
-    """scripts/gpu_check.sh without a GPU (stages 1-3), once for the tests below."""
+    """scripts/gpu_check.sh without a GPU (stages 1-3 and 5), once for the tests below."""
     pytest.importorskip("triton")
     tmp = tmp_path_factory.mktemp("gpu-check")
     result = run(["bash", "scripts/gpu_check.sh"], env=dry_env(tmp, "check"))
@@ -134,10 +134,14 @@ def test_gpu_check_dry_run(check_dry_run):
     tmp, result = check_dry_run
     out = tmp / "check-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"1-env.log", "2-check.log", "3-tests.log", "summary.json",
-                                              "results.tar.gz"}
+    assert {p.name for p in out.iterdir()} == {"1-env.log", "2-check.log", "3-tests.log", "5-sanitize.log",
+                                              "summary.json", "results.tar.gz"}
     summary = json.loads((out / "summary.json").read_text())
-    assert {name: s["status"] for name, s in summary["stages"].items()} == {"env": "ok", "check": "ok", "tests": "ok"}
+    assert {name: s["status"] for name, s in summary["stages"].items()} == {"env": "ok", "check": "ok", "tests": "ok",
+                                                                           "sanitize": "ok"}
+    sanitize_log = (out / "5-sanitize.log").read_text()  # the workloads ran on CPU: no tool, no summary line
+    assert "SKIP compute-sanitizer" in sanitize_log and "gpu_sanitize: OK" in sanitize_log
+    assert summary["sanitize"] == {}
     check = summary["check"]
     assert check["rows"] > 10 and check["passed"] == check["rows"] and not check["unfinished"]
     rows = [line for line in (out / "2-check.log").read_text().splitlines() if line.startswith("[d8] exact")]

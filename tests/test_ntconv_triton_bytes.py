@@ -95,54 +95,61 @@ def test_weight_grad_rejects_parts_that_are_not_row_blocks():
 # ------------------------------------------- intermediates in the parameters' dtype
 def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     """Under autocast's dtypes (float32 node terms, bfloat16 parameters) every per-row buffer the backward
-    writes (z, dz/du, do, du) is bfloat16; the backward stores neither y nor dy (gated_sum: the split
-    message gradient recomputes y from o and sums dW_out itself), do comes from it and du from the du
-    kernel (no row GEMM reads dy or dqkv), and the result keeps the accuracy rule."""
+    writes is bfloat16, and on sm_90 (and the interpreter) it writes only do and du: the message gradient
+    recomputes y from o and sums dW_out itself (no y, no dy), the input gradients recompute z and dz/du and
+    sum dW_qkv with du and d_centre (no z, no dz/du); elsewhere z, dz/du, y and dy are stored in bfloat16,
+    do comes from the message gradient and du from the du kernel.  No row GEMM reads dy or dqkv, and the
+    result keeps the accuracy rule."""
     seen = {}
-    real_prologue, real_gemm, real_grad = ntconv_op.prologue, ntconv_op.rows_gemm, ntconv_op.message_grad
-    real_du, real_split = ntconv_op.du_and_centre, ntconv_op.message_grad_split
+    real = {name: getattr(ntconv_op, name) for name in ("prologue", "rows_gemm", "message_grad", "du_and_centre",
+                                                          "message_grad_split", "input_grad_split")}
     c, c_out = case_channels = (8, 16)  # HEADS x DIM of the small graph; gated_sum: C_out = 2C
     products = {(c, c_out): "y", (3 * c, c): "du", (c_out, c): "do", (c, 3): "d_edge"}
 
     def prologue(qkv, z, jac, *args):
-        if jac is not None:
-            seen.update(z=z.dtype, jac=jac.dtype)
-        return real_prologue(qkv, z, jac, *args)
+        seen.setdefault("prologue", []).append(None if jac is None else (z.dtype, jac.dtype))
+        return real["prologue"](qkv, z, jac, *args)
 
     def rows_gemm(out, a, w, **kw):
         seen.setdefault("gemm", set()).add((products[kw["k"], kw["n"]], out.dtype))
-        return real_gemm(out, a, w, **kw)
+        return real["rows_gemm"](out, a, w, **kw)
 
     def du_and_centre(du, *args):
-        seen["du"] = du.dtype
-        return real_du(du, *args)
+        seen.setdefault("du_and_centre", set()).add(du.dtype)
+        return real["du_and_centre"](du, *args)
+
+    def input_grad_split(du, *args):
+        seen.setdefault("input_grad_split", set()).add(du.dtype)
+        return real["input_grad_split"](du, *args)
 
     def message_grad(dy, y, mode, p, *args, do=None, **kw):
         assert (p.channels, p.out_channels) == case_channels
         seen.setdefault("message_grad", set()).add((dy.dtype, y.dtype, None if do is None else do.dtype))
-        return real_grad(dy, y, mode, p, *args, do=do, **kw)
+        return real["message_grad"](dy, y, mode, p, *args, do=do, **kw)
 
     def message_grad_split(do, o, *args):
         seen.setdefault("message_grad_split", set()).add((do.dtype, o.dtype))
-        return real_split(do, o, *args)
+        return real["message_grad_split"](do, o, *args)
 
     case = low_precision_case("gated_sum", autocast=True)
-    monkeypatch.setattr(ntconv_op, "message_grad_split", message_grad_split)
-    monkeypatch.setattr(ntconv_op, "prologue", prologue)
-    monkeypatch.setattr(ntconv_op, "rows_gemm", rows_gemm)
-    monkeypatch.setattr(ntconv_op, "message_grad", message_grad)
-    monkeypatch.setattr(ntconv_op, "du_and_centre", du_and_centre)
+    for name, spy in [("prologue", prologue), ("rows_gemm", rows_gemm), ("message_grad", message_grad),
+                      ("du_and_centre", du_and_centre), ("message_grad_split", message_grad_split),
+                      ("input_grad_split", input_grad_split)]:
+        monkeypatch.setattr(ntconv_op, name, spy)
     run_low_precision(case, autocast=True, aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD,
                       dropout=0.2, seed=6)
     bf16 = torch.bfloat16
-    assert seen["z"] == seen["jac"] == seen["du"] == bf16
-    # y in bf16 (the forward's only where the message gradient reads o: the interpreter and sm_90); no row
-    # GEMM for do or du; d_edge in the edge features' float32
+    # no row GEMM for do or du; y in bf16 (the forward's only on sm_90); d_edge in the edge features' float32
     assert seen["gemm"] == {("y", bf16), ("d_edge", torch.float32)}
+    chunks = len(seen["prologue"]) // 2  # one prologue per chunk in the forward and one in the backward
     if device_arch(DEVICE) >= SPLIT_MIN_ARCH:
         assert "message_grad" not in seen and seen["message_grad_split"] == {(bf16, bf16)}
+        assert seen["prologue"] == [None] * (2 * chunks) and chunks > 1
+        assert "du_and_centre" not in seen and seen["input_grad_split"] == {bf16}
     else:
         assert "message_grad_split" not in seen and seen["message_grad"] == {(bf16, bf16, bf16)}
+        assert seen["prologue"] == [None] * chunks + [(bf16, bf16)] * chunks
+        assert "input_grad_split" not in seen and seen["du_and_centre"] == {bf16}
 
 
 # --------------------------------------------------- bf16 against the accuracy rule
@@ -199,13 +206,15 @@ SPLIT_AGGRS = [AGGRS[0], AGGRS[1], AGGRS[3], AGGRS[5]]  # sum, mean, weighted_me
 
 
 def _force_split(monkeypatch, on=True):
-    """Take the split message gradient wherever it applies to the layer and mode (``on``), whatever the
-    dtype and device, or never (``on`` False: y and dy stored, the path of fp32 and of sm_80 / sm_89)."""
-    from nt_kernels.backends.triton import ntconv_grad
+    """Take the sm_90 paths wherever they apply to the layer and mode (``on``), whatever the dtype and
+    device: the message gradient from o and the one-pass input gradients; or never (``on`` False: y, dy,
+    z and dz/du stored, the path of fp32 and of sm_80 / sm_89)."""
+    from nt_kernels.backends.triton import ntconv_grad, ntconv_igrad
 
     def width(heads, dim, mode, size, arch):
         return ntconv_grad.split_width(heads, dim, mode, 2, 90) if on else 0
     monkeypatch.setattr(ntconv_op, "split_width", width)
+    monkeypatch.setattr(ntconv_op, "input_split_ok", lambda c, size, arch: on and ntconv_igrad.input_split_ok(c, 2, 90))
 
 
 def test_split_message_grad_applies_to_the_tolokers_layer_on_sm90_in_16_bits():
@@ -223,17 +232,19 @@ def test_split_message_grad_applies_to_the_tolokers_layer_on_sm90_in_16_bits():
 
 @pytest.mark.parametrize("aggr, gate_group", SPLIT_AGGRS)
 def test_split_message_grad_float32_matches_reference_and_cpu_op(aggr, gate_group, monkeypatch):
-    """The split message gradient run on float32 operands (its kernel is dtype-generic): edge features,
-    dropout, Performer neighbourhoods, 12-row chunks; output and all eight gradients against the float64
-    definition and the CPU op; weight gradients bitwise equal on a rerun."""
+    """The sm_90 paths (message gradient from o, one-pass input gradients) run on float32 operands (the
+    kernels are dtype-generic): edge features, dropout, Performer neighbourhoods, 12-row chunks; output and
+    all eight gradients against the float64 definition and the CPU op; weight gradients bitwise equal on a
+    rerun."""
     calls = []
-    real = ntconv_op.message_grad_split
+    real, real_input = ntconv_op.message_grad_split, ntconv_op.input_grad_split
     _force_split(monkeypatch)
-    monkeypatch.setattr(ntconv_op, "message_grad_split", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(ntconv_op, "message_grad_split", lambda *a: calls.append("message") or real(*a))
+    monkeypatch.setattr(ntconv_op, "input_grad_split", lambda *a: calls.append("input") or real_input(*a))
     case = Case(*make_graph(), aggr)
     kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=5)
     result = run_triton(case, **kw)
-    assert calls, "the split message gradient did not run"
+    assert {"message", "input"} <= set(calls), "the sm_90 paths did not run"
     assert_matches_reference_and_cpu_op(case, result, **kw)
     again = run_triton(case, **kw)[3]
     for name in WEIGHTS:
@@ -242,8 +253,9 @@ def test_split_message_grad_float32_matches_reference_and_cpu_op(aggr, gate_grou
 
 @pytest.mark.parametrize("aggr, gate_group", [AGGRS[1], AGGRS[5]])
 def test_split_message_grad_over_several_row_blocks(aggr, gate_group, monkeypatch):
-    """One chunk of 150 rows (split-K blocks of 64, the last one ragged) with a hub in it: float32 against
-    the float64 definition and the CPU op, and against the stored-y path within the float32 tolerance."""
+    """One chunk of 150 rows (split-K blocks of 64 = two 32-row tiles of the input gradients, the last block
+    ragged; segments of 40 and 50 rows crossing tiles and blocks): float32 against the float64 definition and
+    the CPU op, and against the stored y, z and dz/du path within the float32 tolerance."""
     case = Case(*make_graph([40, 3, 30, 1, 0, 50, 2, 24], receivers=6, seed=4), aggr)
     kw = dict(aggr=aggr, gate_group=gate_group, threshold=64, dropout=0.1, seed=8)
     _force_split(monkeypatch)
@@ -254,6 +266,32 @@ def test_split_message_grad_over_several_row_blocks(aggr, gate_group, monkeypatc
     for name in WEIGHTS:
         if split[3][name] is not None:
             assert_close(split[3][name], stored[3][name], f"{name}: split against stored y")
+    for name in ("centre", "receiver_term"):
+        assert_close(split[3][name], stored[3][name], f"{name}: one pass against stored z")
+
+
+@pytest.mark.parametrize("mask", [(False, True, True), (True, False, False)], ids=["no-d_centre", "d_centre-only"])
+def test_one_pass_input_gradients_with_an_input_mask(mask, monkeypatch):
+    """The one-pass input gradients without d_centre (no segment sums) and with d_centre alone: the asked-for
+    gradients and every weight gradient against the float64 definition."""
+    _force_split(monkeypatch)
+    case = Case(*make_graph(), "gated_sum")
+    kw = dict(aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD, dropout=0.3, seed=4)
+    grads = run_triton(case, input_mask=mask, **kw)[3]
+    want = reference(case, **kw)[1]
+    for name, asked in zip(("centre", "receiver_term", "edge_attr"), mask):
+        assert (grads[name].numel() > 0) == asked, name
+        if asked:
+            assert_close(grads[name].cpu(), want[name], f"gradient of {name}")
+    for name in WEIGHTS:
+        assert_close(grads[name].cpu(), want[name], f"gradient of {name}")
+
+
+def test_one_pass_input_gradients_apply_up_to_64_channels_in_16_bits_on_sm90():
+    from nt_kernels.backends.triton.ntconv_igrad import input_split_ok
+
+    assert input_split_ok(60, 2, 90) and input_split_ok(64, 2, 90)
+    assert not input_split_ok(65, 2, 90) and not input_split_ok(60, 4, 90) and not input_split_ok(60, 2, 89)
 
 
 @pytest.mark.parametrize("aggr, gate_group", [AGGRS[0], AGGRS[5]])
@@ -310,3 +348,18 @@ def test_du_kernel_sums_segments_across_tiles(dtype):
         torch.testing.assert_close(du.double(), want_du, rtol=2 ** -8, atol=2 ** -8 * want_du.abs().max().item())
     assert_close(centre, want_centre + 0.5, "d_centre")
     assert torch.equal(runs[1][0], du) and torch.equal(runs[1][1], centre)
+
+
+def test_the_stored_paths_on_request(monkeypatch):
+    """NT_KERNELS_NTCONV_STORED=1 (A/B timings): the backward stores y, dy, z and dz/du where it would not
+    (bf16 on the interpreter, which runs as sm_90), and the result keeps the accuracy rule."""
+    calls = []
+    for name in ("message_grad", "message_grad_split", "input_grad_split", "du_and_centre"):
+        real = getattr(ntconv_op, name)
+        monkeypatch.setattr(ntconv_op, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name)
+                            or _real(*a, **kw))
+    monkeypatch.setenv("NT_KERNELS_NTCONV_STORED", "1")
+    case = low_precision_case("gated_sum", autocast=True)
+    run_low_precision(case, autocast=True, aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD,
+                      dropout=0.2, seed=6)
+    assert set(calls) == {"message_grad", "du_and_centre"}

@@ -35,8 +35,8 @@ import triton.language as tl
 from nt_kernels.backends.triton.common import INTERPRET, cast, mm
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles
 
-__all__ = ["BLOCK_K", "du_and_centre", "fused_centre", "gelu", "gelu_grad", "gemm_configs", "mix32", "prologue",
-           "rows_gemm"]
+__all__ = ["BLOCK_K", "centre_fixup", "du_and_centre", "dropout_keep", "fused_centre", "gelu", "gelu_grad",
+           "gemm_configs", "messages_in", "mix32", "prologue", "rows_gemm", "tile_segment_sums"]
 
 SQRT1_2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -111,7 +111,7 @@ def _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R: tl.cons
 
 
 @triton.jit
-def _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
+def messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
                  C, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
                  HAS_EDGE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     """u = centre[j] + receiver_term[k] (+ edge term) of the tile's rows, whole rows, fp32."""
@@ -141,7 +141,7 @@ def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receive
     ch_valid = ch < C
     mask = valid[:, None] & ch_valid[None, :]
     # Step 2: u from the gathered node terms (+ edge term), each row read once.
-    u = _messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
+    u = messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
                      C, F, BLOCK_R, BLOCK_C, BLOCK_F, HAS_EDGE, DOT_PREC, BF16_EMU)
     # Step 3: z = GELU(u) times the dropout multiplier of (seed, row, channel), rounded to the weights' type.
     scale = tl.full([BLOCK_R, BLOCK_C], 1.0, tl.float32)
@@ -197,13 +197,14 @@ def _rows_gemm_kernel(a, w, bias, mul, out, R, K, N, A_SPLIT, A_PART, A_ROW, W_K
 
 
 @triton.jit
-def _tile_segment_sums(x, seg_of_row, rowptr, d_centre, part, r, valid, n, n_valid, seg0, C: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BF16_EMU: tl.constexpr):
-    """Per-segment column sums of a tile's rows x (BLOCK_R rows in packed order, fp32): a segment whole
-    in the tile adds its sum to d_centre (its only writer); the tile's first and last segments, where
-    they cross the tile's edges, store their partial sums in the tile's scratch slots 0 and 1."""
+def tile_segment_sums(x, seg_of_row, rowptr, d_centre, part, tile, r, valid, n, n_valid, seg0, C: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BF16_EMU: tl.constexpr):
+    """Per-segment column sums of the rows x of tile ``tile`` (rows tile·BLOCK_R + [0, BLOCK_R) in packed
+    order, fp32): a segment whole in the tile adds its sum to d_centre (its only writer); the tile's first
+    and last segments, where they cross the tile's edges, store their partial sums in the tile's scratch
+    slots 0 and 1 (summed by _centre_fixup_kernel)."""
     # Local segment of each row: the count of segment starts before it in the tile (empty segments skipped).
-    tile0 = tl.program_id(0) * BLOCK_R
+    tile0 = tile * BLOCK_R
     seg = tl.load(seg_of_row + r, mask=valid, other=-1)
     prev = tl.load(seg_of_row + r - 1, mask=valid & (r > tile0), other=-1)
     local = tl.cumsum((valid & (r > tile0) & (seg != prev)).to(tl.int32), axis=0)
@@ -221,7 +222,7 @@ def _tile_segment_sums(x, seg_of_row, rowptr, d_centre, part, r, valid, n, n_val
     tl.store(d_centre + offs, tl.load(d_centre + offs, mask=mask, other=0.0) + sums, mask=mask)
     # At most two crossing segments: local 0 (slot 0) and the last one (slot 1).
     cross = used & (first < end) & ~whole
-    scratch = (tl.program_id(0).to(tl.int64) * 2 + tl.minimum(slot, 1))[:, None] * C + n[None, :]
+    scratch = (tile * 2 + tl.minimum(slot, 1)).to(tl.int64)[:, None] * C + n[None, :]
     tl.store(part + scratch, sums, mask=cross[:, None] & n_valid[None, :])
 
 
@@ -250,8 +251,8 @@ def _du_kernel(dqkv, w_qkv, jac, seg_of_row, rowptr, du, d_centre, part, R, PART
     tl.store(du + offs, cast(acc, du.dtype.element_ty, BF16_EMU), mask=mask)
     # Step 2 (CENTRE): d_centre from the same tile, so du is not read back for it.
     if CENTRE:
-        _tile_segment_sums(acc, seg_of_row, rowptr, d_centre, part, r, valid, n, n_valid, seg0, C, BLOCK_R,
-                           BF16_EMU)
+        tile_segment_sums(acc, seg_of_row, rowptr, d_centre, part, tl.program_id(0), r, valid, n, n_valid, seg0,
+                          C, BLOCK_R, BF16_EMU)
 
 
 @triton.jit(do_not_specialize_on_alignment=["d_centre"])
@@ -332,7 +333,13 @@ def du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre):
     _du_kernel[(tiles,)](dqkv, p.w_qkv, jac, seg_of_row, chunk.rowptr, du, d_centre if centre else du, part, rows,
                          dqkv.shape[1], chunk.seg0, C=c, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_K=BLOCK_K,
                          CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=4, num_stages=2)
-    if centre and chunk.seg1 > chunk.seg0:
+    if centre:
+        centre_fixup(part, d_centre, chunk, c)
+
+
+def centre_fixup(part, d_centre, chunk, c) -> None:
+    """d_centre += the partial sums of the segments that cross DU_ROWS-row tiles (``part``: tiles x 2 x C)."""
+    if chunk.seg1 > chunk.seg0:
         _centre_fixup_kernel[(chunk.seg1 - chunk.seg0,)](chunk.rowptr, part, d_centre, C=c, BLOCK_R=DU_ROWS,
                                                          BLOCK_T=FIXUP_TILES, BLOCK_C=block_n(c, DU_MAX_CHANNELS),
                                                          num_warps=4, num_stages=1)

@@ -32,6 +32,9 @@ dy and du are stored in the parameters' dtype too (the autocast dtype under
 autocast: half the bytes of fp32); the arithmetic on them (GELU, dropout, gates, reductions, the
 gradient accumulators) is fp32.
 
+``NT_KERNELS_NTCONV_STORED=1`` makes the backward store y, dy, z and dz/du
+on sm_90 too (the sm_80 / sm_89 path), for A/B timings of the two.
+
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
 them directly: the Triton stages run in the interpreter and the Performer
@@ -41,6 +44,7 @@ not exercised there).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch.library import register_kernel
@@ -48,6 +52,7 @@ from torch.library import register_kernel
 from nt_kernels.backends.triton.common import device_arch
 from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
 from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, prologue, rows_gemm
+from nt_kernels.backends.triton.ntconv_igrad import input_grad_split, input_split_ok
 from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
                                                     GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, grad_tiles, message_grad,
                                                     message_grad_split, split_width)
@@ -114,13 +119,13 @@ def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
                                                       chunk.performer_table, p.projection, p.eps)
 
 
-def _messages(p: Problem, chunk, seg_of_row, lse, *, backward: bool, project: bool = True):
+def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: bool = True):
     """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du), every per-row buffer in the parameters'
-    dtype (the autocast dtype under autocast); z and dz/du only in the backward, y only if ``project``."""
+    dtype (the autocast dtype under autocast); z and dz/du only if ``store_z``, y only if ``project``."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
     qkv = qkv_buffer(p, chunk, p.dtype)
-    z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
-    jac = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if backward else None
+    z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if store_z else None
+    jac = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if store_z else None
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
     q, k, v = qkv[:, :rows].unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
@@ -179,7 +184,7 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     state = State.empty(p.num_out, p.channels, mode, torch.empty(0, dtype=p.dtype, device=p.device))
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
-        y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], backward=False)[0]
+        y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], store_z=False)[0]
         receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
                 apply_gelu=True, gate=_gates(p, chunk, y, seg_of_row), bf16_emu=p.bf16_emu)
     out, stats = _finish(p, state, mode)
@@ -258,23 +263,33 @@ def _weight_grad(p: Problem, w_acc, b_acc, a, b, *, rows, m, n, a_split, a_part,
                 dtype=p.dtype, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu, index=index, row0=row0)
 
 
-def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
-    """Weight gradients of the prologue and the input gradients for one chunk: du = (dqkv · w_qkv) · dz/du
-    in the parameters' dtype with d_centre from the same kernel (ntconv_gemm._du_kernel; a row GEMM and a
-    segment reduction for C > DU_MAX_CHANNELS), then d_receiver_term and the edge gradients from du."""
-    c, rows = p.channels, chunk.rows
-    # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
-    _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c,
-                 b_row=c)
-    du = torch.empty((rows, c), dtype=p.dtype, device=p.device)
-    d_centre = None if g.centre is None else g.centre[chunk.seg0:]
+def _du(p: Problem, chunk, du, dqkv, jac, seg_of_row, d_centre) -> None:
+    """du = (dqkv · w_qkv) · dz/du from a stored dz/du, and d_centre += its per-segment sums."""
+    c = p.channels
     if fused_centre(c):
         du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre)
+        return
+    rows_gemm(du, dqkv, p.w_qkv, rows=chunk.rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c,
+              w_k=c, w_n=1, mul=jac, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+    if d_centre is not None:
+        segment_sum(d_centre, du, chunk, c)
+
+
+def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
+    """Weight gradients of the prologue and the input gradients for one chunk: du = (dqkv · w_qkv) · dz/du
+    in the parameters' dtype with d_centre and, where z is not stored, dW_qkv from the same kernel
+    (ntconv_igrad.py; else ntconv_gemm._du_kernel after the split-K weight gradient; a row GEMM and a
+    segment reduction for C > DU_MAX_CHANNELS), then d_receiver_term and the edge gradients from du."""
+    c, rows = p.channels, chunk.rows
+    du = torch.empty((rows, c), dtype=p.dtype, device=p.device)
+    d_centre = None if g.centre is None else g.centre[chunk.seg0:]
+    if z is None:  # one pass over dqkv: z and dz/du recomputed from the node terms
+        input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, g.w_qkv, g.b_qkv)
     else:
-        rows_gemm(du, dqkv, p.w_qkv, rows=rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c,
-                  w_k=c, w_n=1, mul=jac, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
-        if d_centre is not None:
-            segment_sum(d_centre, du, chunk, c)
+        # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
+        _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c,
+                     a_part=chunk.part_rows * c, b_row=c)
+        _du(p, chunk, du, dqkv, jac, seg_of_row, d_centre)
     if g.receiver is not None:
         receive(g.receiver, du, chunk, channels=c, heads=p.heads, row=c, mode=AGG_SUM, apply_gelu=False)
     if p.edge_attr is not None:
@@ -294,9 +309,13 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     seg_of_row = segment_of_rows(chunk)
     # lse rows of Performer segments are never read; zeros where a row may belong to no list.
     lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
-    # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o), then dy from the saved state.
-    split = split_width(p.heads, p.head_dim, _grad_mode(p), p.w_out.element_size(), device_arch(p.device)) > 0
-    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, backward=True, project=not split)
+    # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o; z and dz/du unless the input
+    # gradients recompute them), then dy from the saved state.
+    size, arch = p.w_out.element_size(), device_arch(p.device)
+    one_pass = os.environ.get("NT_KERNELS_NTCONV_STORED", "0") != "1"
+    split = one_pass and split_width(p.heads, p.head_dim, _grad_mode(p), size, arch) > 0
+    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, project=not split,
+                                      store_z=not (one_pass and input_split_ok(c, size, arch)))
     if split:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
         do = torch.empty_like(o)
         message_grad_split(do, o, _grad_mode(p), p, chunk, saved, g.w_out, g.b_out)

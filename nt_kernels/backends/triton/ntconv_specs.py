@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from nt_kernels.backends.triton import ntconv_gemm, ntconv_grad, ntconv_plan, ntconv_reduce, ntconv_wgrad
+from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_plan, ntconv_reduce,
+                                        ntconv_wgrad)
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles
 
 __all__ = ["LAYER_SHAPES", "Spec", "compile_specs", "launches"]
@@ -71,6 +72,19 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
                                    BLOCK_R=w.block_r, BLOCK_M=w.block_m, BLOCK_N=w.block_n, HAS_BIAS=bias,
                                    GATHER=gather, PART_ALIGN=ntconv_plan.PART_ROWS if parts > 1 else 1),
                               dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
+    if dtype != "fp32":  # the one-pass input gradients (sm_90, 16-bit parameters) at the layer shapes they serve
+        igrad = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, receiver="*i64", perm="*i64",
+                     seg_of_row="*i64", rowptr="*i64", dqkv=t, du=t, d_centre="*fp32", scratch="*fp32",
+                     partials="*fp32", row0="i32", R="i32", PART="i32", seg0="i32", seed_word="i32",
+                     threshold="i32", drop_scale="fp32")
+        specs += [Spec(f"input_grad_split{' + d_centre' if centre else ''} C{c} F{f}",
+                       ntconv_igrad._input_grad_split_kernel, igrad,
+                       dict(base, C=c, F=f, SPLIT_ROWS=ntconv_plan.split_k_rows(1 << 20),
+                            BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS),
+                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, CENTRE=centre),
+                       dict(num_warps=ntconv_igrad.INPUT_WARPS, num_stages=1), ntconv_igrad.INPUT_MIN_ARCH)
+                  for c, f, _ in LAYER_SHAPES if ntconv_igrad.input_split_ok(c, 2, ntconv_igrad.INPUT_MIN_ARCH)
+                  for centre in (False, True)]
     for c in sorted({c for c, _, _ in LAYER_SHAPES if ntconv_gemm.fused_centre(c)}):
         width = ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS)
         specs += [Spec(f"du{' + d_centre' if centre else ''} C{c}", ntconv_gemm._du_kernel,

@@ -1,0 +1,175 @@
+"""Small CUDA workloads for compute-sanitizer (issue 28; scripts/gpu_check.sh stage 5 runs them).
+
+Two parts, each a forward and a backward, each checked against the CPU op on the same inputs so that a
+run under the sanitizer that finishes also says whether the numbers were right:
+
+* ``fused``: ``nt_kernels::ntconv_fwd`` / ``ntconv_bwd`` on a small graph (a 300-row hub, Performer
+  neighbourhoods above the threshold, empty and one-row neighbourhoods, edge features, dropout) in chunks
+  of 64 rows, every aggregator, float32 and bfloat16 parameters (the sm_90 paths: y, dy, z and dz/du never
+  stored), with every floating buffer the op allocates starting as NaN (``torch.empty`` /
+  ``torch.empty_like`` filled), so that a row the kernels leave unwritten shows in the output;
+* ``performer``: ``segment_performer_attention`` forward and backward on segments of 1 to 700 rows (a hub
+  split into 256-row chunks) for each implementation: SIMT (``NT_KERNELS_PERFORMER=simt``) in float32,
+  bfloat16 and float16, and the tensor-core kernels (``=tc``): WMMA in bfloat16 / float16, 3xTF32 in
+  float32.
+
+    compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/gpu_sanitize.py
+    python scripts/gpu_sanitize.py --device cpu          # a dry run: the same code on CPU (no CUDA stage)
+
+Exit status 1 when an output is not finite or differs from the CPU op in float32 (on the same rounded
+inputs) by more than TOLERANCE of its largest value.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+
+import torch
+
+import nt_kernels as nk
+from nt_kernels import NeighbourhoodCSR
+from nt_kernels.backends.triton.ntconv_plan import build_ntconv_plan
+from nt_kernels.nn.aggregate import receiver_csr
+
+AGGRS = [("sum", "receiver"), ("mean", "receiver"), ("max", "receiver"), ("weighted_mean", "receiver"),
+         ("weighted_mean", "centre"), ("gated_sum", "receiver")]
+HEADS, DIM, EDGE_DIM, FEATURES, THRESHOLD, CHUNK_ROWS = 2, 8, 3, 16, 12, 64
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 6e-2, torch.float16: 2e-2}  # of max |CPU result|
+
+
+@contextlib.contextmanager
+def nan_filled():
+    """torch.empty / torch.empty_like whose floating results start as NaN."""
+    real = torch.empty, torch.empty_like
+
+    def wrap(alloc):
+        def alloc_nan(*args, **kwargs):
+            t = alloc(*args, **kwargs)
+            return t.fill_(math.nan) if t.is_floating_point() else t
+        return alloc_nan
+    torch.empty, torch.empty_like = wrap(real[0]), wrap(real[1])
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real
+
+
+def graph(gen):
+    """(edge_index, num_nodes): a 300-row hub, neighbourhoods of 0-20 rows, 16 receivers."""
+    sizes = [300, 0, 1, 5, 12, 13, 20, 2, 0, 7, 14, 1]
+    edges = [torch.stack([torch.full((n,), j), torch.randint(0, 16, (n,), generator=gen)])
+             for j, n in enumerate(sizes)]
+    return torch.cat(edges, 1), 16
+
+
+def compare(name, got, want, dtype) -> bool:
+    """Finite and within TOLERANCE[dtype] of max |want|; prints one line."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    scale = max(want.abs().max().item() if want.numel() else 0.0, 1.0)
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    ok = bool(torch.isfinite(got).all()) and err <= TOLERANCE[dtype] * scale
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: max error {err:.2e} (scale {scale:.2e})")
+    return ok
+
+
+def fused_args(device, aggr, gate_group, param_dtype, gen):
+    """Arguments of ntconv_fwd on ``device`` (node terms float32, parameters in ``param_dtype``)."""
+    edge_index, n = graph(gen)
+    c, e = HEADS * DIM, edge_index.shape[1]
+    c_out = 2 * c if aggr in ("weighted_mean", "gated_sum") else c
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
+    rcsr = receiver_csr(csr, n)
+    exact, performer = csr.segment_split(THRESHOLD)
+    plan = build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, n, CHUNK_ROWS, 64,
+                             perm=csr.perm).to(device) if device.type == "cuda" else None
+    p = dict(w_edge=torch.randn(c, EDGE_DIM, generator=gen) / 2, w_qkv=torch.randn(3 * c, c, generator=gen) / 4,
+             b_qkv=torch.randn(3 * c, generator=gen) / 10, w_out=torch.randn(c_out, c, generator=gen) / 4,
+             b_out=torch.randn(c_out, generator=gen) / 10)
+    p = {k: v.to(device, param_dtype) for k, v in p.items()}
+    projection = nk.orthogonal_random_features(FEATURES, DIM, generator=gen).to(device, param_dtype)
+    x = [torch.randn(n, c, generator=gen).to(device), torch.randn(n, c, generator=gen).to(device),
+         torch.randn(e, EDGE_DIM, generator=gen).to(device)]
+    graph_t = [t.to(device) for t in (csr.rowptr, csr.receiver, csr.perm, rcsr.rowptr, rcsr.perm, exact, performer)]
+    return (*x, p["w_edge"], p["w_qkv"], p["b_qkv"], p["w_out"], p["b_out"], *graph_t, plan, projection,
+            torch.tensor(7), HEADS, aggr, gate_group, 0.2, DIM ** -0.5, 1e-4), torch.randn(n, c, generator=gen)
+
+
+def run_fused(device) -> bool:
+    ok = True
+    for param_dtype in (torch.float32, torch.bfloat16):
+        for aggr, group in AGGRS:
+            args, grad_out = fused_args(device, aggr, group, param_dtype, torch.Generator().manual_seed(3))
+            chunks = f", chunks of {CHUNK_ROWS} rows" if device.type == "cuda" else " (the CPU op: one pass)"
+            print(f"fused {aggr}/{group}, parameters {param_dtype}{chunks}")
+            with nan_filled():
+                out, lse, stats = torch.ops.nt_kernels.ntconv_fwd(*args)
+                grads = torch.ops.nt_kernels.ntconv_bwd(grad_out.to(device, out.dtype), out, lse, stats, *args,
+                                                        [True, True, True])
+            # the CPU op in float32 (parameters upcast) is the reference; it builds its own plan
+            cpu = tuple(a.cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else
+                        a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+            cpu = cpu[:15] + (None,) + cpu[16:]
+            cpu_out, cpu_lse, cpu_stats = torch.ops.nt_kernels.ntconv_fwd(*cpu)
+            cpu_grads = torch.ops.nt_kernels.ntconv_bwd(grad_out.to(cpu_out.dtype), cpu_out, cpu_lse, cpu_stats,
+                                                        *cpu, [True, True, True])
+            ok &= compare("output", out, cpu_out, param_dtype)
+            if aggr == "max" and param_dtype != torch.float32:
+                print("  (max in bfloat16: gradients not compared; rounding may move a maximum)")
+                continue
+            for name, got, want in zip(("centre", "receiver_term", "edge_attr", "w_edge", "w_qkv", "b_qkv", "w_out",
+                                        "b_out"), grads, cpu_grads):
+                ok &= compare(f"gradient of {name}", got, want, param_dtype)
+    return ok
+
+
+def run_performer(device) -> bool:
+    ok = True
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.tensor([0, 1, 2, 37, 256, 257, 700])
+    rowptr = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    rows = int(rowptr[-1])
+    base = [torch.randn(rows, HEADS, DIM, generator=gen) for _ in range(4)]
+    projection = nk.orthogonal_random_features(FEATURES, DIM, generator=gen)
+    impls = [("simt", d) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    impls += [("tc", d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+    for impl, dtype in impls:
+        print(f"performer {impl} {dtype}: segments of {sizes.tolist()} rows")
+        os.environ["NT_KERNELS_PERFORMER"] = impl
+        q, k, v = (t.to(device, dtype).detach().requires_grad_() for t in base[:3])
+        o = nk.segment_performer_attention(q, k, v, rowptr.to(device), projection.to(device, dtype))
+        o.backward(base[3].to(device, dtype))
+        # the CPU op in float32 on the same rounded inputs is the reference
+        qc, kc, vc = (t.to(dtype).float().detach().requires_grad_() for t in base[:3])
+        oc = nk.segment_performer_attention(qc, kc, vc, rowptr, projection.to(dtype).float())
+        oc.backward(base[3].to(dtype).float())
+        for name, got, want in (("o", o, oc), ("dq", q.grad, qc.grad), ("dk", k.grad, kc.grad),
+                                ("dv", v.grad, vc.grad)):
+            ok &= compare(name, got, want, dtype)
+    os.environ.pop("NT_KERNELS_PERFORMER", None)
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--part", default="all", choices=["all", "fused", "performer"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device (use --device cpu for a dry run)")
+    ok = True
+    if args.part in ("all", "fused"):
+        ok &= run_fused(device)
+    if args.part in ("all", "performer"):
+        ok &= run_performer(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print("gpu_sanitize:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
