@@ -24,8 +24,10 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
             rows_in_plan=True, sm90=False):
     """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``rows_in_plan``: the segment of
     every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before);
-    ``sm90``: the paths of sm_90 with 16-bit parameters: the backward's message gradient recomputes y from o
-    and sums dW_out itself (``_message_grad_split_kernel``: y and dy never stored), and the input gradients
+    ``sm90``: the paths of sm_90 with 16-bit parameters: the forward's projection writes only what the
+    reduction reads, the gates from the same tiles (``_project_kernel``), the backward's message gradient
+    recomputes y from o and sums dW_out itself (``_message_grad_split_kernel``: y and dy never stored), and the
+    input gradients
     recompute z and dz/du and sum dW_qkv with du and d_centre in one pass over dqkv
     (``_input_grad_split_kernel``: z and dz/du never stored)."""
     r, s, i = rows, param_size, inter_size
@@ -41,10 +43,14 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     splits = 512
     out = [] if rows_in_plan else [("fwd", "segment_of_rows (torch.searchsorted)", index * r, 0, "plan plumbing")]
     out += [("fwd", "_prologue_kernel", prologue, prologue_flops, ""),
-            ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change"),
-            ("fwd", "_rows_gemm_kernel: y = o w_outᵀ + b", y_gemm, 2 * r * c * c_out, "")]
-    if gated:
-        out.append(("fwd", "_gate_kernel", (c * i) * r + gate, 0, ""))
+            ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change")]
+    if sm90:  # o read; y written (gated: the value halves) with the gates
+        out.append(("fwd", "_project_kernel: y (value halves) and gates from o", (c * s + values * i) * r + gate,
+                    2 * r * c * c_out, ""))
+    else:
+        out.append(("fwd", "_rows_gemm_kernel: y = o w_outᵀ + b", y_gemm, 2 * r * c * c_out, ""))
+        if gated:
+            out.append(("fwd", "_gate_kernel", (c * i) * r + gate, 0, ""))
     out.append(("fwd", "_reduce_kernel (receivers) + merge", (4 + values * i) * r + gate + 2 * 2 * nodes * c * 4,
                 0, ""))
     if not rows_in_plan:

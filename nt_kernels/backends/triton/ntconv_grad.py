@@ -42,6 +42,7 @@ import torch
 
 from nt_kernels.backends.triton.common import cast, mm
 from nt_kernels.backends.triton.ntconv_gemm import gelu, gelu_grad
+from nt_kernels.backends.triton.ntconv_project import column_rows, project, w_block
 from nt_kernels.backends.triton.ntconv_tiles import split_k_rows
 from nt_kernels.backends.triton.ntconv_wgrad import combine
 
@@ -224,21 +225,6 @@ def message_grad(dy, y, mode, p, chunk, state, seg_of_row, *, do=None, gate=None
 
 
 @triton.jit
-def _w_block(w_out, rows, c, c_valid, p_valid, C: tl.constexpr):
-    """w_out[rows]ᵀ as a (channels, padded (head, dim)) block, 0 at padding; loaded once per program."""
-    return tl.load(w_out + rows[None, :] * C + c[:, None], mask=c_valid[:, None] & p_valid[None, :], other=0.0)
-
-
-@triton.jit
-def _project(o_tile, w, bias, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-             DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    """y = o · w + bias for a (channels, columns) block w of w_outᵀ, as a (rows, heads, dims) fp32 tile rounded
-    to the parameters' dtype as the forward's y."""
-    y = cast(mm(o_tile, w, DOT_PREC, BF16_EMU) + bias[None, :], w.dtype, BF16_EMU).to(tl.float32)
-    return tl.reshape(y, (BLOCK_E, BLOCK_H, BLOCK_D))
-
-
-@triton.jit
 def _dy_products(acc, bias, do_acc, dy, w, o_tile, valid, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     """For a (rows, heads, dims) dy tile rounded to the parameters' dtype (what the stored dy was; rows
@@ -269,15 +255,13 @@ def _message_grad_split_kernel(o, g_out, out, stats, recv_rowptr, receiver, w_ou
     C_OUT: tl.constexpr = 2 * C if GATED else C
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    p = tl.arange(0, BLOCK_H * BLOCK_D)
-    p_valid = (p // BLOCK_D < H) & (p % BLOCK_D < D)
-    rows = tl.reshape((h * (2 * D if GATED else D))[:, None] + d[None, :], (BLOCK_H * BLOCK_D,))
+    p_valid, rows = column_rows(H, D, GATED, BLOCK_H, BLOCK_D)
     c = tl.arange(0, BLOCK_C)
     c_valid = c < C
-    w_first = _w_block(w_out, rows, c, c_valid, p_valid, C)
+    w_first = w_block(w_out, rows, c, c_valid, p_valid, C)
     b_first = tl.load(b_out + rows, mask=p_valid, other=0.0).to(tl.float32)
     if GATED:
-        w_value = _w_block(w_out, rows + D, c, c_valid, p_valid, C)
+        w_value = w_block(w_out, rows + D, c, c_valid, p_valid, C)
         b_value = tl.load(b_out + rows + D, mask=p_valid, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_H * BLOCK_D, BLOCK_C], tl.float32)
     acc_value = tl.zeros([BLOCK_H * BLOCK_D, BLOCK_C], tl.float32)
@@ -290,11 +274,11 @@ def _message_grad_split_kernel(o, g_out, out, stats, recv_rowptr, receiver, w_ou
         valid = r < R
         k = tl.load(receiver + row0 + r, mask=valid, other=0)
         o_tile = tl.load(o + r[:, None] * C + c[None, :], mask=valid[:, None] & c_valid[None, :], other=0.0)
-        y_first = _project(o_tile, w_first, b_first, BLOCK_E, BLOCK_H, BLOCK_D, DOT_PREC, BF16_EMU)
+        y_first = project(o_tile, w_first, b_first, BLOCK_E, BLOCK_H, BLOCK_D, DOT_PREC, BF16_EMU)
         # Step 3: dy in registers; do = dy · w_out stored, dW_out and db_out summed in the split's registers.
         do_acc = tl.zeros([BLOCK_E, BLOCK_C], tl.float32)
         if GATED:
-            y_value = _project(o_tile, w_value, b_value, BLOCK_E, BLOCK_H, BLOCK_D, DOT_PREC, BF16_EMU)
+            y_value = project(o_tile, w_value, b_value, BLOCK_E, BLOCK_H, BLOCK_D, DOT_PREC, BF16_EMU)
             dy_gate, dy_value = _gated_grad(y_first, y_value, g_out, out, stats, stats, stats, receiver, stats, r, k,
                                             valid, h, d, 0, H, D, MODE)
             acc, bias, do_acc = _dy_products(acc, bias, do_acc, dy_gate, w_first, o_tile, valid, BLOCK_E, BLOCK_H,

@@ -7,7 +7,9 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
 2. attention in place: the Triton exact kernels on the chunk's work list and,
    for segments above the threshold, ``nt_kernels::performer_fwd_into`` (the
    CUDA Performer kernel; the dispatcher picks it by device);
-3. the output projection y = o · w_outᵀ + b_out (message m = GELU(y));
+3. the output projection y = o · w_outᵀ + b_out (message m = GELU(y)); where
+   the sm_90 paths apply, on the message gradient's tiles (ntconv_project.py),
+   with the gated aggregators' gates from the same tiles;
 4. gates (gated aggregators) and the receiver reduction (ntconv_reduce.py),
    merged into per-receiver running state in chunk order; ``out``, ``stats``
    are finished from that state at the end.
@@ -54,8 +56,9 @@ from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
 from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, prologue, rows_gemm
 from nt_kernels.backends.triton.ntconv_igrad import input_grad_split, input_split_ok
 from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
-                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, grad_tiles, message_grad,
-                                                    message_grad_split, split_width)
+                                                    GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, SPLIT_MIN_ARCH, SPLIT_WARPS,
+                                                    grad_tiles, message_grad, message_grad_split, split_width)
+from nt_kernels.backends.triton.ntconv_project import project_forward
 from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, State, gate_values,
                                                       receive, segment_softmax, segment_sum)
 from nt_kernels.backends.triton.ntconv_wgrad import weight_grad
@@ -139,6 +142,29 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: boo
     return y, o, q, k, v, z, jac
 
 
+def _sm90_paths(p: Problem) -> tuple[bool, bool]:
+    """(y from o: the forward's projection and the backward's message gradient, ntconv_project.py and
+    ntconv_grad.py; z and dz/du recomputed: the one-pass input gradients, ntconv_igrad.py), each where it
+    applies to this layer, dtype and device, unless NT_KERNELS_NTCONV_STORED=1."""
+    if os.environ.get("NT_KERNELS_NTCONV_STORED", "0") == "1":
+        return False, False
+    size, arch = p.w_out.element_size(), device_arch(p.device)
+    return (split_width(p.heads, p.head_dim, _grad_mode(p), size, arch) > 0,
+            input_split_ok(p.channels, size, arch))
+
+
+def _project_with_gates(p: Problem, chunk, o):
+    """(y, gate) of the forward on the sm_90 path: y = o · w_outᵀ + b_out on the message gradient's tiles
+    (gated aggregators: only the value halves written, the gates from the same tiles)."""
+    y = torch.empty((chunk.rows, p.out_channels), dtype=p.dtype, device=p.device)
+    gated = p.aggr in ("weighted_mean", "gated_sum")
+    gate = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device) if gated else None
+    project_forward(y, gate, o, p, chunk, grad_tiles(p.heads, p.head_dim),
+                    block_c=split_width(p.heads, p.head_dim, _grad_mode(p), 2, SPLIT_MIN_ARCH),
+                    num_warps=SPLIT_WARPS, sigmoid=p.aggr == "gated_sum")
+    return y, gate
+
+
 def _gates(p: Problem, chunk, y, seg_of_row):
     """Per-(row, head) gate for the reduction: sigmoid(gamma), gamma, or the centre softmax."""
     if p.aggr not in ("weighted_mean", "gated_sum"):
@@ -182,11 +208,16 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
     mode = _aggregation_mode(p)
     state = State.empty(p.num_out, p.channels, mode, torch.empty(0, dtype=p.dtype, device=p.device))
+    from_o = _sm90_paths(p)[0]
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
-        y = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], store_z=False)[0]
+        y, o = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], store_z=False, project=not from_o)[:2]
+        if from_o:  # y (gated: value halves) and the gates from the message gradient's tiles
+            y, gate = _project_with_gates(p, chunk, o)
+        else:
+            gate = _gates(p, chunk, y, seg_of_row)
         receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
-                apply_gelu=True, gate=_gates(p, chunk, y, seg_of_row), bf16_emu=p.bf16_emu)
+                apply_gelu=True, gate=gate, bf16_emu=p.bf16_emu)
     out, stats = _finish(p, state, mode)
     return out, lse, stats
 
@@ -311,11 +342,8 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
     lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
     # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o; z and dz/du unless the input
     # gradients recompute them), then dy from the saved state.
-    size, arch = p.w_out.element_size(), device_arch(p.device)
-    one_pass = os.environ.get("NT_KERNELS_NTCONV_STORED", "0") != "1"
-    split = one_pass and split_width(p.heads, p.head_dim, _grad_mode(p), size, arch) > 0
-    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, project=not split,
-                                      store_z=not (one_pass and input_split_ok(c, size, arch)))
+    split, inputs_one_pass = _sm90_paths(p)
+    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, project=not split, store_z=not inputs_one_pass)
     if split:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
         do = torch.empty_like(o)
         message_grad_split(do, o, _grad_mode(p), p, chunk, saved, g.w_out, g.b_out)

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_plan, ntconv_reduce,
-                                        ntconv_wgrad)
+from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_plan, ntconv_project,
+                                        ntconv_reduce, ntconv_wgrad)
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles
 
 __all__ = ["LAYER_SHAPES", "Spec", "compile_specs", "launches"]
@@ -138,6 +138,15 @@ def compile_specs(dtype: str) -> list[Spec]:
                             BLOCK_C=ntconv_grad.split_width(heads, dim, mode, size, ntconv_grad.SPLIT_MIN_ARCH)),
                        dict(num_warps=ntconv_grad.SPLIT_WARPS, num_stages=1), ntconv_grad.SPLIT_MIN_ARCH)
                   for mode in ntconv_grad.SPLIT_MODES
+                  if ntconv_grad.split_width(heads, dim, mode, size, ntconv_grad.SPLIT_MIN_ARCH)]
+        project = dict(o=t, w_out=t, b_out=t, y=t, gate="*fp32", R="i32")
+        specs += [Spec(f"project{' gated' if gated else ''} H{heads} D{dim}", ntconv_project._project_kernel, project,
+                       dict(base, H=heads, D=dim, GATED=gated, SIGMOID=gated,
+                            SPLIT_ROWS=ntconv_plan.split_k_rows(1 << 20), BLOCK_E=g.block_e, BLOCK_H=g.block_h,
+                            BLOCK_D=g.block_d, BLOCK_C=ntconv_grad.split_width(heads, dim, mode, size,
+                                                                               ntconv_grad.SPLIT_MIN_ARCH)),
+                       dict(num_warps=ntconv_grad.SPLIT_WARPS, num_stages=1), ntconv_grad.SPLIT_MIN_ARCH)
+                  for gated, mode in ((False, ntconv_grad.GRAD_SUM), (True, ntconv_grad.GRAD_GATED_SUM))
                   if ntconv_grad.split_width(heads, dim, mode, size, ntconv_grad.SPLIT_MIN_ARCH)]
     return specs + _reduction_specs(t, all_modes=dtype == "fp32")
 
