@@ -678,6 +678,32 @@ def test_nan_stays_in_its_neighbourhood(aggr, gate_group, dtype):
         assert torch.equal(out[node], clean[node]), f"the NaN reached node {node}"
 
 
+@pytest.mark.parametrize("aggr, dtype", [("sum", torch.float32), ("gated_sum", torch.float32),
+                                         ("sum", torch.bfloat16), ("gated_sum", torch.bfloat16)],
+                         ids=["sum-fp32", "gated_sum-fp32", "sum-bf16", "gated_sum-bf16"])
+def test_nan_gradient_stays_in_its_neighbourhood(aggr, dtype):
+    """A NaN in one edge_attr row of centre 6 makes d_centre[6] NaN and leaves d_centre of every other
+    centre and d_receiver_term of every receiver outside its neighbourhood as in the clean run (fp32: the
+    stored path's du kernel; bf16: the one-pass input gradients, whose tile sums span several segments)."""
+    case = Case(*make_graph(), aggr)
+    kw = dict(aggr=aggr, gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=0, dtype=dtype)
+    clean = run_triton(case, **kw)[3]
+    own = case.edge_index[0] == 6
+    case.tensors["edge_attr"] = case.tensors["edge_attr"].clone()
+    case.tensors["edge_attr"][int(own.nonzero()[0]), 1] = float("nan")
+    grads = run_triton(case, **kw)[3]
+    d_centre, d_receiver = grads["centre"].cpu(), grads["receiver_term"].cpu()
+    assert torch.isnan(d_centre[6]).all()
+    reached = torch.zeros(len(SIZES), dtype=torch.bool)
+    reached[case.edge_index[1, own]] = True
+    for node in range(len(SIZES)):
+        if node != 6:
+            assert torch.equal(d_centre[node], clean["centre"].cpu()[node]), f"the NaN reached d_centre[{node}]"
+        if not reached[node]:
+            assert torch.equal(d_receiver[node], clean["receiver_term"].cpu()[node]), \
+                f"the NaN reached d_receiver_term[{node}]"
+
+
 BAD = [
     ("aggr", dict(aggr="median"), "aggr"),
     ("gate_group", dict(gate_group="edge"), "gate_group"),

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import INTERPRET, cast, mm
+from nt_kernels.backends.triton.common import INTERPRET, cast, mm, nonfinite_rows
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles
 
 __all__ = ["BLOCK_K", "centre_fixup", "du_and_centre", "dropout_keep", "fused_centre", "gelu", "gelu_grad",
@@ -210,7 +210,11 @@ def tile_segment_sums(x, seg_of_row, rowptr, d_centre, part, tile, r, valid, n, 
     local = tl.cumsum((valid & (r > tile0) & (seg != prev)).to(tl.int32), axis=0)
     slot = tl.arange(0, BLOCK_R)
     onehot = (slot[:, None] == local[None, :]) & valid[None, :]
-    sums = mm(onehot.to(tl.float32), x, "ieee", BF16_EMU)  # exact 0/1 weights, fp32 sums
+    # Exact 0/1 weights, fp32 sums.  A row holding NaN or inf is left out of the product (a 0 weight times
+    # it would spread NaN to every segment of the tile) and makes its own segment's sums NaN.
+    bad = nonfinite_rows(x) > 0
+    sums = mm(onehot.to(tl.float32), tl.where(bad[:, None], 0.0, x), "ieee", BF16_EMU)
+    sums = tl.where((tl.max((onehot & bad[None, :]).to(tl.int32), axis=1) > 0)[:, None], float("nan"), sums)
     owner = tl.max(tl.where(onehot, seg[None, :], -1), axis=1)
     used = owner >= 0
     local_seg = tl.where(used, owner - seg0, 0)
@@ -315,6 +319,12 @@ DU_MAX_CHANNELS = 64  # widest C whose du rows one program holds whole (wider: r
 FIXUP_TILES = 64      # tiles' partial sums per step of the fix-up
 
 
+def du_warps(operand_bytes: int) -> int:
+    """Warps of _du_kernel: 4, 8 for fp32 operands (ptxas, sm_80 / sm_89: the fp32 C = 60 tile with d_centre's
+    sums spills at 4 warps since they keep a NaN row in its own segment)."""
+    return 8 if operand_bytes > 2 else 4
+
+
 def fused_centre(channels: int) -> bool:
     """Whether du and d_centre come from one kernel (_du_kernel) for C = ``channels``."""
     return channels <= DU_MAX_CHANNELS
@@ -332,7 +342,8 @@ def du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre):
     part = torch.empty((tiles, 2, c) if centre else (1,), dtype=torch.float32, device=du.device)
     _du_kernel[(tiles,)](dqkv, p.w_qkv, jac, seg_of_row, chunk.rowptr, du, d_centre if centre else du, part, rows,
                          dqkv.shape[1], chunk.seg0, C=c, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_K=BLOCK_K,
-                         CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=4, num_stages=2)
+                         CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu,
+                         num_warps=du_warps(p.w_qkv.element_size()), num_stages=2)
     if centre:
         centre_fixup(part, d_centre, chunk, c)
 

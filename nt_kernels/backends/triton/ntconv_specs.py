@@ -91,7 +91,9 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
                        dict(dqkv=t, w_qkv=t, jac=t, seg_of_row="*i64", rowptr="*i64", du=t, d_centre="*fp32",
                             part="*fp32", R="i32", PART="i32", seg0="i32"),
                        dict(base, C=c, BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=width, BLOCK_K=ntconv_gemm.BLOCK_K,
-                            CENTRE=centre), dict(num_warps=4, num_stages=2)) for centre in (False, True)]
+                            CENTRE=centre),
+                       dict(num_warps=ntconv_gemm.du_warps(4 if dtype == "fp32" else 2), num_stages=2))
+                  for centre in (False, True)]
         specs.append(Spec(f"centre_fixup C{c}", ntconv_gemm._centre_fixup_kernel,
                           dict(rowptr="*i64", part="*fp32", d_centre="*fp32"),
                           dict(C=c, BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_T=ntconv_gemm.FIXUP_TILES, BLOCK_C=width),
