@@ -647,10 +647,12 @@ def test_autocast_dtypes_float32_node_terms_bf16_parameters():
 
 # --------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("num_nodes", [0, 5], ids=["no-nodes", "all-isolated"])
-def test_graph_without_edges(num_nodes):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graph_without_edges(num_nodes, dtype):
+    """No messages: zero output and gradients, on the stored path (fp32) and the sm_90 path (bf16)."""
     case = Case(torch.empty(2, 0, dtype=torch.long), num_nodes, "weighted_mean")
     out, lse, stats, grads = run_triton(case, aggr="weighted_mean", gate_group="receiver", threshold=THRESHOLD,
-                                        dropout=0.5, seed=1)
+                                        dropout=0.5, seed=1, dtype=dtype)
     assert out.shape == (num_nodes, HEADS * DIM) and not out.any() and lse.shape == (0, HEADS)
     for name, grad in grads.items():
         assert grad.shape == case.tensors[name].shape and not grad.any(), name
