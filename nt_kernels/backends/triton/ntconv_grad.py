@@ -65,7 +65,7 @@ SPLIT_ACCUMULATOR = 8192
 SPLIT_MODES = (GRAD_SUM, GRAD_MEAN, GRAD_GATED_SUM, GRAD_SOFTMAX)
 SPLIT_MIN_ARCH = 90  # the split kernel's compute capability floor (split_width)
 # Warps of the split kernel (ptxas, sm_90, tolokers: 73-123 registers at 16 warps, 101-152 at 8, up to 227 at 4,
-# none spilling; 16 warps keep twice the warps of 8 resident on an SM, one program either way)
+# none spilling; for the gated modes one program fits an SM either way, so 16 warps keep twice as many resident)
 SPLIT_WARPS = 16
 
 
