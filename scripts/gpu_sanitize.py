@@ -3,9 +3,10 @@
 Two parts, each a forward and a backward, each checked against the CPU op on the same inputs so that a
 run under the sanitizer that finishes also says whether the numbers were right:
 
-* ``fused``: ``nt_kernels::ntconv_fwd`` / ``ntconv_bwd`` on a small graph (a 300-row hub, Performer
-  neighbourhoods above the threshold, empty and one-row neighbourhoods, edge features, dropout) in chunks
-  of 64 rows, every aggregator, float32 and bfloat16 parameters (the sm_90 paths: y, dy, z and dz/du never
+* ``fused``: ``nt_kernels::ntconv_fwd`` / ``ntconv_bwd`` (on CUDA their Triton implementation called
+  directly, ``ntconv_op``, so that it plans chunks of 64 rows) on a small graph (a 300-row hub, Performer
+  neighbourhoods above the threshold, empty and one-row neighbourhoods, edge features, dropout), every
+  aggregator, float32 and bfloat16 parameters (the sm_90 paths: y, dy, z and dz/du never
   stored), with every floating buffer the op allocates starting as NaN (``torch.empty`` /
   ``torch.empty_like`` filled), so that a row the kernels leave unwritten shows in the output;
 * ``performer``: ``segment_performer_attention`` forward and backward on segments of 1 to 700 rows (a hub
@@ -14,7 +15,8 @@ run under the sanitizer that finishes also says whether the numbers were right:
   float32.
 
     compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/gpu_sanitize.py
-    python scripts/gpu_sanitize.py --device cpu          # a dry run: the same code on CPU (no CUDA stage)
+    python scripts/gpu_sanitize.py --device cpu          # a dry run on CPU: the CPU op, no CUDA kernel
+    TRITON_INTERPRET=1 python scripts/gpu_sanitize.py --device cpu   # the fused op's Triton code, interpreted
 
 Exit status 1 when an output is not finite or differs from the CPU op in float32 (on the same rounded
 inputs) by more than TOLERANCE of its largest value.
@@ -31,7 +33,8 @@ import torch
 
 import nt_kernels as nk
 from nt_kernels import NeighbourhoodCSR
-from nt_kernels.backends.triton.ntconv_plan import build_ntconv_plan
+from nt_kernels.backends.triton import ntconv_op
+from nt_kernels.backends.triton.common import INTERPRET
 from nt_kernels.nn.aggregate import receiver_csr
 
 AGGRS = [("sum", "receiver"), ("mean", "receiver"), ("max", "receiver"), ("weighted_mean", "receiver"),
@@ -83,8 +86,6 @@ def fused_args(device, aggr, gate_group, param_dtype, gen):
     csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
     rcsr = receiver_csr(csr, n)
     exact, performer = csr.segment_split(THRESHOLD)
-    plan = build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, n, CHUNK_ROWS, 64,
-                             perm=csr.perm).to(device) if device.type == "cuda" else None
     p = dict(w_edge=torch.randn(c, EDGE_DIM, generator=gen) / 2, w_qkv=torch.randn(3 * c, c, generator=gen) / 4,
              b_qkv=torch.randn(3 * c, generator=gen) / 10, w_out=torch.randn(c_out, c, generator=gen) / 4,
              b_out=torch.randn(c_out, generator=gen) / 10)
@@ -93,7 +94,7 @@ def fused_args(device, aggr, gate_group, param_dtype, gen):
     x = [torch.randn(n, c, generator=gen).to(device), torch.randn(n, c, generator=gen).to(device),
          torch.randn(e, EDGE_DIM, generator=gen).to(device)]
     graph_t = [t.to(device) for t in (csr.rowptr, csr.receiver, csr.perm, rcsr.rowptr, rcsr.perm, exact, performer)]
-    return (*x, p["w_edge"], p["w_qkv"], p["b_qkv"], p["w_out"], p["b_out"], *graph_t, plan, projection,
+    return (*x, p["w_edge"], p["w_qkv"], p["b_qkv"], p["w_out"], p["b_out"], *graph_t, None, projection,
             torch.tensor(7), HEADS, aggr, gate_group, 0.2, DIM ** -0.5, 1e-4), torch.randn(n, c, generator=gen)
 
 
@@ -102,16 +103,19 @@ def run_fused(device) -> bool:
     for param_dtype in (torch.float32, torch.bfloat16):
         for aggr, group in AGGRS:
             args, grad_out = fused_args(device, aggr, group, param_dtype, torch.Generator().manual_seed(3))
-            chunks = f", chunks of {CHUNK_ROWS} rows" if device.type == "cuda" else " (the CPU op: one pass)"
+            chunks = f", chunks of {CHUNK_ROWS} rows" if device.type == "cuda" or INTERPRET else " (the CPU op)"
             print(f"fused {aggr}/{group}, parameters {param_dtype}{chunks}")
+            # On CUDA the op's own functions (the registered kernels; the Performer stage through the dispatcher),
+            # called directly so that they build their plan with CHUNK_ROWS-row chunks.
+            fwd, bwd, extra = torch.ops.nt_kernels.ntconv_fwd, torch.ops.nt_kernels.ntconv_bwd, {}
+            if device.type == "cuda" or INTERPRET:
+                fwd, bwd, extra = ntconv_op.ntconv_fwd, ntconv_op.ntconv_bwd, dict(chunk_rows=CHUNK_ROWS)
             with nan_filled():
-                out, lse, stats = torch.ops.nt_kernels.ntconv_fwd(*args)
-                grads = torch.ops.nt_kernels.ntconv_bwd(grad_out.to(device, out.dtype), out, lse, stats, *args,
-                                                        [True, True, True])
-            # the CPU op in float32 (parameters upcast) is the reference; it builds its own plan
+                out, lse, stats = fwd(*args, **extra)
+                grads = bwd(grad_out.to(device, out.dtype), out, lse, stats, *args, [True, True, True], **extra)
+            # the CPU op in float32 (parameters upcast) is the reference
             cpu = tuple(a.cpu().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else
                         a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
-            cpu = cpu[:15] + (None,) + cpu[16:]
             cpu_out, cpu_lse, cpu_stats = torch.ops.nt_kernels.ntconv_fwd(*cpu)
             cpu_grads = torch.ops.nt_kernels.ntconv_bwd(grad_out.to(cpu_out.dtype), cpu_out, cpu_lse, cpu_stats,
                                                         *cpu, [True, True, True])
