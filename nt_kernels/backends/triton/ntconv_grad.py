@@ -42,7 +42,7 @@ import torch
 
 from nt_kernels.backends.triton.common import cast, mm
 from nt_kernels.backends.triton.ntconv_gemm import gelu, gelu_grad
-from nt_kernels.backends.triton.ntconv_project import column_rows, project, w_block
+from nt_kernels.backends.triton.ntconv_project import project, w_blocks
 from nt_kernels.backends.triton.ntconv_tiles import split_k_rows
 from nt_kernels.backends.triton.ntconv_wgrad import combine
 
@@ -255,14 +255,8 @@ def _message_grad_split_kernel(o, g_out, out, stats, recv_rowptr, receiver, w_ou
     C_OUT: tl.constexpr = 2 * C if GATED else C
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    p_valid, rows = column_rows(H, D, GATED, BLOCK_H, BLOCK_D)
-    c = tl.arange(0, BLOCK_C)
-    c_valid = c < C
-    w_first = w_block(w_out, rows, c, c_valid, p_valid, C)
-    b_first = tl.load(b_out + rows, mask=p_valid, other=0.0).to(tl.float32)
-    if GATED:
-        w_value = w_block(w_out, rows + D, c, c_valid, p_valid, C)
-        b_value = tl.load(b_out + rows + D, mask=p_valid, other=0.0).to(tl.float32)
+    c, c_valid, p_valid, rows, w_first, b_first, w_value, b_value = w_blocks(w_out, b_out, C, D, GATED, BLOCK_H,
+                                                                             BLOCK_D, BLOCK_C)
     acc = tl.zeros([BLOCK_H * BLOCK_D, BLOCK_C], tl.float32)
     acc_value = tl.zeros([BLOCK_H * BLOCK_D, BLOCK_C], tl.float32)
     bias = tl.zeros([BLOCK_H * BLOCK_D], tl.float32)

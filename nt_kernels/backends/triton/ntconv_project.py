@@ -21,7 +21,7 @@ from nt_kernels.backends.triton.common import cast, mm
 from nt_kernels.backends.triton.ntconv_gemm import gelu
 from nt_kernels.backends.triton.ntconv_tiles import split_k_rows
 
-__all__ = ["column_rows", "project", "project_forward", "w_block"]
+__all__ = ["column_rows", "project", "project_forward", "w_block", "w_blocks"]
 
 
 @triton.jit
@@ -43,6 +43,25 @@ def w_block(w_out, rows, c, c_valid, p_valid, C: tl.constexpr):
 
 
 @triton.jit
+def w_blocks(w_out, b_out, C: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr, BLOCK_H: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(channels c, their mask, valid positions, w_out's first-half block and bias, its value-half block and
+    bias) of a tile, loaded once per program; without GATED the value half is the first (unused)."""
+    H: tl.constexpr = C // D
+    p_valid, rows = column_rows(H, D, GATED, BLOCK_H, BLOCK_D)
+    c = tl.arange(0, BLOCK_C)
+    c_valid = c < C
+    w_first = w_block(w_out, rows, c, c_valid, p_valid, C)
+    b_first = tl.load(b_out + rows, mask=p_valid, other=0.0).to(tl.float32)
+    w_value = w_first
+    b_value = b_first
+    if GATED:
+        w_value = w_block(w_out, rows + D, c, c_valid, p_valid, C)
+        b_value = tl.load(b_out + rows + D, mask=p_valid, other=0.0).to(tl.float32)
+    return c, c_valid, p_valid, rows, w_first, b_first, w_value, b_value
+
+
+@triton.jit
 def project(o_tile, w, bias, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
             DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     """y = o · w + bias for a (channels, columns) block w of w_outᵀ, as a (rows, heads, dims) fp32 tile rounded
@@ -61,14 +80,8 @@ def _project_kernel(o, w_out, b_out, y, gate, R, H: tl.constexpr, D: tl.constexp
     C_OUT: tl.constexpr = 2 * C if GATED else C
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    p_valid, rows = column_rows(H, D, GATED, BLOCK_H, BLOCK_D)
-    c = tl.arange(0, BLOCK_C)
-    c_valid = c < C
-    w_first = w_block(w_out, rows, c, c_valid, p_valid, C)
-    b_first = tl.load(b_out + rows, mask=p_valid, other=0.0).to(tl.float32)
-    if GATED:
-        w_value = w_block(w_out, rows + D, c, c_valid, p_valid, C)
-        b_value = tl.load(b_out + rows + D, mask=p_valid, other=0.0).to(tl.float32)
+    c, c_valid, p_valid, rows, w_first, b_first, w_value, b_value = w_blocks(w_out, b_out, C, D, GATED, BLOCK_H,
+                                                                             BLOCK_D, BLOCK_C)
     first = tl.program_id(0) * SPLIT_ROWS
     for r0 in range(first, tl.minimum(first + SPLIT_ROWS, R), BLOCK_E):
         # Step 2: o of the tile's rows; y of each half.
