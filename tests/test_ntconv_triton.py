@@ -982,8 +982,9 @@ def _spec_kernels(dtype):
     from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_project, ntconv_reduce,
                                             ntconv_wgrad)
 
-    split = set() if dtype == "fp32" else {ntconv_grad._message_grad_split_kernel, ntconv_igrad._input_grad_split_kernel,
-                                           ntconv_project._project_kernel}
+    sm90 = {ntconv_grad._message_grad_split_kernel, ntconv_igrad._input_grad_split_kernel,
+            ntconv_project._project_kernel}
+    split = set() if dtype == "fp32" else sm90
     return split | {ntconv_gemm._prologue_kernel, ntconv_gemm._rows_gemm_kernel, ntconv_gemm._du_kernel,
                     ntconv_gemm._centre_fixup_kernel, ntconv_grad._message_grad_kernel,
                     ntconv_reduce._gate_kernel, ntconv_reduce._reduce_kernel, ntconv_reduce._merge_kernel,

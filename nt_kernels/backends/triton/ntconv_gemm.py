@@ -112,8 +112,8 @@ def _edge_term(edge_attr, w_edge, edge, valid, ch, ch_valid, F, BLOCK_R: tl.cons
 
 @triton.jit
 def messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
-                 C, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
-                 HAS_EDGE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+                C, F, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
+                HAS_EDGE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     """u = centre[j] + receiver_term[k] (+ edge term) of the tile's rows, whole rows, fp32."""
     j = tl.load(seg_of_row + r, mask=valid, other=0)
     k = tl.load(receiver + grow, mask=valid, other=0)
@@ -142,7 +142,7 @@ def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receive
     mask = valid[:, None] & ch_valid[None, :]
     # Step 2: u from the gathered node terms (+ edge term), each row read once.
     u = messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row, r, valid, grow, ch, ch_valid,
-                     C, F, BLOCK_R, BLOCK_C, BLOCK_F, HAS_EDGE, DOT_PREC, BF16_EMU)
+                    C, F, BLOCK_R, BLOCK_C, BLOCK_F, HAS_EDGE, DOT_PREC, BF16_EMU)
     # Step 3: z = GELU(u) times the dropout multiplier of (seed, row, channel), rounded to the weights' type.
     scale = tl.full([BLOCK_R, BLOCK_C], 1.0, tl.float32)
     if DROPOUT:

@@ -35,16 +35,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
-
-import torch
 
 from nt_kernels.backends.triton.common import cast, mm
 from nt_kernels.backends.triton.ntconv_gemm import gelu, gelu_grad
 from nt_kernels.backends.triton.ntconv_project import project, w_blocks
 from nt_kernels.backends.triton.ntconv_tiles import split_k_rows
-from nt_kernels.backends.triton.ntconv_wgrad import combine
+from nt_kernels.backends.triton.ntconv_wgrad import combine, split_products, store_partial
 
 __all__ = ["FUSED_DO_WIDTH", "GRAD_CENTRE_A", "GRAD_CENTRE_B", "GRAD_GATED_SUM", "GRAD_MAX", "GRAD_MEAN",
            "GRAD_SOFTMAX", "GRAD_SUM", "GradTiles", "grad_tiles", "message_grad", "message_grad_split",
@@ -64,7 +63,7 @@ SPLIT_ACCUMULATOR = 8192
 # kernel recomputes y from o for them.
 SPLIT_MODES = (GRAD_SUM, GRAD_MEAN, GRAD_GATED_SUM, GRAD_SOFTMAX)
 SPLIT_MIN_ARCH = 90  # the split kernel's compute capability floor (split_width)
-# Warps of the split kernel (ptxas, sm_90, tolokers: 73-123 registers at 16 warps, 101-152 at 8, up to 227 at 4,
+# Warps of the split kernel (ptxas, sm_90, tolokers: 73-114 registers at 16 warps, 101-152 at 8, up to 227 at 4,
 # none spilling; for the gated modes one program fits an SM either way, so 16 warps keep twice as many resident)
 SPLIT_WARPS = 16
 
@@ -231,16 +230,8 @@ def _dy_products(acc, bias, do_acc, dy, w, o_tile, valid, BLOCK_E: tl.constexpr,
     past the chunk 0): do += dy · wᵀ, acc += dyᵀ · o (dW_out rows) and bias += Σ_rows dy (db_out)."""
     x = cast(tl.reshape(dy, (BLOCK_E, BLOCK_H * BLOCK_D)), w.dtype, BF16_EMU)
     x = tl.where(valid[:, None], x, 0.0).to(w.dtype)
-    do_acc = do_acc + mm(x, tl.trans(w), DOT_PREC, BF16_EMU)
-    bias += tl.sum(x.to(tl.float32), axis=0)
-    return acc + mm(tl.trans(x), o_tile, DOT_PREC, BF16_EMU), bias, do_acc
-
-
-@triton.jit
-def _store_partial(base, acc, bias, rows, c, c_valid, p_valid, C: tl.constexpr):
-    """A split's sums of w_out rows ``rows``: dW_out in columns < C, db_out in column C."""
-    tl.store(base + rows[:, None] * (C + 1) + c[None, :], acc, mask=p_valid[:, None] & c_valid[None, :])
-    tl.store(base + rows * (C + 1) + C, bias, mask=p_valid)
+    acc, bias, do_acc = split_products(acc, bias, do_acc, x, tl.trans(w), o_tile, DOT_PREC, BF16_EMU)
+    return acc, bias, do_acc
 
 
 @triton.jit(do_not_specialize=["row0", "R"])
@@ -287,9 +278,9 @@ def _message_grad_split_kernel(o, g_out, out, stats, recv_rowptr, receiver, w_ou
                  mask=valid[:, None] & c_valid[None, :])
     # Step 4: the split's partial sums, written once (combined in split order by ntconv_wgrad._combine_kernel).
     base = partials + tl.program_id(0).to(tl.int64) * (C_OUT * (C + 1))
-    _store_partial(base, acc, bias, rows, c, c_valid, p_valid, C)
+    store_partial(base, acc, bias, rows, p_valid, c, c_valid, C)
     if GATED:
-        _store_partial(base, acc_value, bias_value, rows + D, c, c_valid, p_valid, C)
+        store_partial(base, acc_value, bias_value, rows + D, p_valid, c, c_valid, C)
 
 
 def split_width(heads: int, dim: int, mode: int, operand_bytes: int, arch: int) -> int:

@@ -27,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import cast, mm
-from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, DU_ROWS, block_n, centre_fixup, dropout_keep, fused_centre, gelu,
-                                                    gelu_grad, messages_in, tile_segment_sums)
+from nt_kernels.backends.triton.common import cast
+from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, DU_ROWS, block_n, centre_fixup, dropout_keep,
+                                                    fused_centre, gelu, gelu_grad, messages_in, tile_segment_sums)
 from nt_kernels.backends.triton.ntconv_tiles import prologue_tiles, split_k_rows
-from nt_kernels.backends.triton.ntconv_wgrad import combine
+from nt_kernels.backends.triton.ntconv_wgrad import combine, split_products, store_partial
 
 __all__ = ["INPUT_MIN_ARCH", "INPUT_WARPS", "input_grad_split", "input_split_ok"]
 
@@ -45,23 +45,6 @@ def input_split_ok(channels: int, operand_bytes: int, arch: int) -> bool:
     """Whether the one-pass kernel serves a layer of C = ``channels``: C within the du kernel's tile
     (ntconv_gemm.fused_centre), 16-bit parameters on sm_90 or newer."""
     return fused_centre(channels) and operand_bytes == 2 and arch >= INPUT_MIN_ARCH
-
-
-@triton.jit
-def _part_products(acc, bias, du, d_part, w, z, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    """du += d_part · w (a (C, C) block of w_qkv), acc += d_partᵀ · z and bias += Σ_rows d_part, d_part
-    rounded to the parameters' dtype (what the stored-z path's product reads)."""
-    x = cast(d_part, w.dtype, BF16_EMU)
-    bias += tl.sum(x.to(tl.float32), axis=0)
-    return acc + mm(tl.trans(x), z, DOT_PREC, BF16_EMU), bias, du + mm(x, w, DOT_PREC, BF16_EMU)
-
-
-@triton.jit
-def _store_part(partials, s, part, acc, bias, m, m_valid, C: tl.constexpr):
-    """Block s's sums of w_qkv rows part·C + m: dW in columns < C, db in column C."""
-    base = partials + s.to(tl.int64) * (3 * C * (C + 1)) + (part * C + m)[:, None] * (C + 1)
-    tl.store(base + m[None, :], acc, mask=m_valid[:, None] & m_valid[None, :])
-    tl.store(partials + s.to(tl.int64) * (3 * C * (C + 1)) + (part * C + m) * (C + 1) + C, bias, mask=m_valid)
 
 
 @triton.jit(do_not_specialize=["row0", "R", "PART", "seg0", "seed_word", "threshold"],
@@ -105,18 +88,19 @@ def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiv
         d_k = tl.load(dqkv + (r[:, None].to(tl.int64) + PART) * C + ch[None, :], mask=mask, other=0.0)
         d_v = tl.load(dqkv + (r[:, None].to(tl.int64) + 2 * PART) * C + ch[None, :], mask=mask, other=0.0)
         du_acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-        acc_q, bias_q, du_acc = _part_products(acc_q, bias_q, du_acc, d_q, w_q, z, DOT_PREC, BF16_EMU)
-        acc_k, bias_k, du_acc = _part_products(acc_k, bias_k, du_acc, d_k, w_k, z, DOT_PREC, BF16_EMU)
-        acc_v, bias_v, du_acc = _part_products(acc_v, bias_v, du_acc, d_v, w_v, z, DOT_PREC, BF16_EMU)
+        acc_q, bias_q, du_acc = split_products(acc_q, bias_q, du_acc, d_q, w_q, z, DOT_PREC, BF16_EMU)
+        acc_k, bias_k, du_acc = split_products(acc_k, bias_k, du_acc, d_k, w_k, z, DOT_PREC, BF16_EMU)
+        acc_v, bias_v, du_acc = split_products(acc_v, bias_v, du_acc, d_v, w_v, z, DOT_PREC, BF16_EMU)
         du_acc *= gelu_grad(u) * scale
         tl.store(du + offs, cast(du_acc, du.dtype.element_ty, BF16_EMU), mask=mask)
         if CENTRE:  # d_centre from the same fp32 tile (tile index r0 / BLOCK_R, as _du_kernel's program)
             tile_segment_sums(du_acc, seg_of_row, rowptr, d_centre, scratch, r0 // BLOCK_R, r, valid, ch, ch_valid,
                               seg0, C, BLOCK_R, BF16_EMU)
     # Step 4: the block's partial sums of dW_qkv and db_qkv, written once.
-    _store_part(partials, s, 0, acc_q, bias_q, ch, ch_valid, C)
-    _store_part(partials, s, 1, acc_k, bias_k, ch, ch_valid, C)
-    _store_part(partials, s, 2, acc_v, bias_v, ch, ch_valid, C)
+    base = partials + s.to(tl.int64) * (3 * C * (C + 1))
+    store_partial(base, acc_q, bias_q, ch, ch_valid, ch, ch_valid, C)
+    store_partial(base, acc_k, bias_k, C + ch, ch_valid, ch, ch_valid, C)
+    store_partial(base, acc_v, bias_v, 2 * C + ch, ch_valid, ch, ch_valid, C)
 
 
 def input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, w_acc, b_acc) -> None:
@@ -143,8 +127,9 @@ def input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, w_acc, b_acc) -> 
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre, p.w_qkv,
         p.receiver, p.perm, seg_of_row, chunk.rowptr, dqkv, du, d_centre if centre else du, scratch, partials,
         chunk.row0, rows, dqkv.shape[1], chunk.seg0, p.seed_word, p.drop_threshold, p.drop_scale, C=c,
-        F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_F=t.block_f, HAS_EDGE=edge,
-        DROPOUT=p.dropout > 0, CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=INPUT_WARPS)
+        F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_F=t.block_f,
+        HAS_EDGE=edge, DROPOUT=p.dropout > 0, CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu,
+        num_warps=INPUT_WARPS)
     if centre:
         centre_fixup(scratch, d_centre, chunk, c)
     combine(partials, w_acc, b_acc)

@@ -335,14 +335,15 @@ def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
             g.edge_attr.index_copy_(0, p.perm[chunk.row0:chunk.row1], d_edge)
 
 
-def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads) -> None:
+def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads, paths: tuple[bool, bool]) -> None:
+    """One chunk of the backward; ``paths``: _sm90_paths(p), read once per call."""
     rows, c = chunk.rows, p.channels
     seg_of_row = segment_of_rows(chunk)
     # lse rows of Performer segments are never read; zeros where a row may belong to no list.
     lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
     # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o; z and dz/du unless the input
     # gradients recompute them), then dy from the saved state.
-    split, inputs_one_pass = _sm90_paths(p)
+    split, inputs_one_pass = paths
     y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, project=not split, store_z=not inputs_one_pass)
     if split:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
         do = torch.empty_like(o)
@@ -364,8 +365,9 @@ def ntconv_bwd(grad_out, out, lse, stats, centre, receiver_term, edge_attr, w_ed
     p = problem("ntconv_bwd", locals())
     saved = Saved(grad_out.to(p.dtype).contiguous(), out.contiguous(), stats.contiguous())
     g = Grads(p, input_mask)
+    paths = _sm90_paths(p)
     for chunk in p.plan.chunks:
-        _backward_chunk(p, chunk, saved, g)
+        _backward_chunk(p, chunk, saved, g, paths)
     empty = p.centre.new_zeros(0)  # gradients not asked for, or of absent inputs (as the fake kernel)
 
     def final(grad, like):

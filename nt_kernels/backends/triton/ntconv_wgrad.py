@@ -42,7 +42,8 @@ import triton.language as tl
 from nt_kernels.backends.triton.common import cast, mm
 from nt_kernels.backends.triton.ntconv_plan import PART_ROWS, weight_grad_tiles
 
-__all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "combine", "weight_grad"]
+__all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "combine", "split_products", "store_partial",
+           "weight_grad"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 COMBINE_BLOCK = 64    # output elements per combine program (w_qkv with C = 60: 172 programs)
@@ -95,6 +96,22 @@ def _weight_grad_kernel(a, b, index, partials, R, row0, M_PART: tl.constexpr, N:
         if tl.program_id(1) == 0:
             first_column = tl.arange(0, ONES)[None, :] == 0
             tl.store(base + m * WIDTH + N, tl.sum(tl.where(first_column, bias, 0.0), axis=1), mask=m_valid)
+
+
+@triton.jit
+def split_products(acc, bias, out, x, w, b, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    """One row tile of a fused split-K pass: out += x · w, acc += xᵀ · b and bias += Σ_rows x, for a
+    (rows, M) operand x already in the parameters' dtype (rows past the chunk 0)."""
+    bias += tl.sum(x.to(tl.float32), axis=0)
+    return acc + mm(tl.trans(x), b, DOT_PREC, BF16_EMU), bias, out + mm(x, w, DOT_PREC, BF16_EMU)
+
+
+@triton.jit
+def store_partial(base, acc, bias, rows, rows_valid, cols, cols_valid, N: tl.constexpr):
+    """A split's sums into its (M, N + 1) slice of the partials at ``base``: acc at (rows, cols < N), bias in
+    column N (what _combine_kernel reads)."""
+    tl.store(base + rows[:, None] * (N + 1) + cols[None, :], acc, mask=rows_valid[:, None] & cols_valid[None, :])
+    tl.store(base + rows * (N + 1) + N, bias, mask=rows_valid)
 
 
 @triton.jit(do_not_specialize=["S"])
