@@ -6,8 +6,8 @@ run under the sanitizer that finishes also says whether the numbers were right:
 * ``fused``: ``nt_kernels::ntconv_fwd`` / ``ntconv_bwd`` (on CUDA their Triton implementation called
   directly, ``ntconv_op``, so that it plans chunks of 64 rows) on a small graph (a 300-row hub, Performer
   neighbourhoods above the threshold, empty and one-row neighbourhoods, edge features, dropout), every
-  aggregator, float32 and bfloat16 parameters (the sm_90 paths: y, dy, z and dz/du never
-  stored), with every floating buffer the op allocates starting as NaN (``torch.empty`` /
+  aggregator, float32 and bfloat16 parameters (bf16 on both the stored and the opt-in recompute paths,
+  ``NT_KERNELS_NTCONV_RECOMPUTE=1``), with every floating buffer the op allocates starting as NaN (``torch.empty`` /
   ``torch.empty_like`` filled), so that a row the kernels leave unwritten shows in the output;
 * ``performer``: ``segment_performer_attention`` forward and backward on segments of 1 to 700 rows (a hub
   split into 256-row chunks) for each implementation: SIMT (``NT_KERNELS_PERFORMER=simt``) in float32,
@@ -100,11 +100,12 @@ def fused_args(device, aggr, gate_group, param_dtype, gen):
 
 def run_fused(device) -> bool:
     ok = True
-    for param_dtype in (torch.float32, torch.bfloat16):
+    for param_dtype, recompute in ((torch.float32, "0"), (torch.bfloat16, "0"), (torch.bfloat16, "1")):
+        os.environ["NT_KERNELS_NTCONV_RECOMPUTE"] = recompute  # bf16: the stored and the opt-in recompute paths
         for aggr, group in AGGRS:
             args, grad_out = fused_args(device, aggr, group, param_dtype, torch.Generator().manual_seed(3))
             chunks = f", chunks of {CHUNK_ROWS} rows" if device.type == "cuda" or INTERPRET else " (the CPU op)"
-            print(f"fused {aggr}/{group}, parameters {param_dtype}{chunks}")
+            print(f"fused {aggr}/{group}, parameters {param_dtype}{chunks}, NT_KERNELS_NTCONV_RECOMPUTE={recompute}")
             # On CUDA the op's own functions (the registered kernels; the Performer stage through the dispatcher),
             # called directly so that they build their plan with CHUNK_ROWS-row chunks.
             fwd, bwd, extra = torch.ops.nt_kernels.ntconv_fwd, torch.ops.nt_kernels.ntconv_bwd, {}
@@ -126,6 +127,7 @@ def run_fused(device) -> bool:
             for name, got, want in zip(("centre", "receiver_term", "edge_attr", "w_edge", "w_qkv", "b_qkv", "w_out",
                                         "b_out"), grads, cpu_grads):
                 ok &= compare(f"gradient of {name}", got, want, param_dtype)
+    os.environ.pop("NT_KERNELS_NTCONV_RECOMPUTE", None)
     return ok
 
 

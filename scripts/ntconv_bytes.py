@@ -7,8 +7,8 @@ tensor-core FLOPs of its products, and the time each implies at the H100 rooflin
 shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
 gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features).
 
-    python scripts/ntconv_bytes.py                  # this code on sm_90: of the per-row buffers only do, du stored
-    python scripts/ntconv_bytes.py --stored-y       # where y, dy, z, dz/du are stored (sm_80 / sm_89, fp32)
+    python scripts/ntconv_bytes.py                  # the recompute path (NT_KERNELS_NTCONV_RECOMPUTE=1, sm_90)
+    python scripts/ntconv_bytes.py --stored-y       # the default: y, dy, z, dz/du stored (and sm_80 / 89, fp32)
     python scripts/ntconv_bytes.py --before         # issue 19's code: fp32 intermediates, unfused do, d_centre
     python scripts/ntconv_bytes.py --floor          # the fewest bytes with recompute and these attention kernels
 """
@@ -131,7 +131,7 @@ def main() -> None:
                         help="issue 19's code: fp32 y, dy, du, dz/du; do by a row GEMM; d_centre a reduction of du")
     parser.add_argument("--stored-y", action="store_true",
                         help="the backward stores y, dy, z and dz/du (fp32 parameters, sm_80 / sm_89, "
-                             "NT_KERNELS_NTCONV_STORED=1; y and dy also for max and the centre softmax)")
+                             "the default until NT_KERNELS_NTCONV_RECOMPUTE=1; y and dy also for max and the centre softmax)")
     parser.add_argument("--floor", action="store_true",
                         help="the fewest bytes this design allows with the attention kernels as they are")
     args = parser.parse_args()

@@ -648,8 +648,10 @@ def test_autocast_dtypes_float32_node_terms_bf16_parameters():
 # --------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("num_nodes", [0, 5], ids=["no-nodes", "all-isolated"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_graph_without_edges(num_nodes, dtype):
-    """No messages: zero output and gradients, on the stored path (fp32) and the sm_90 path (bf16)."""
+def test_graph_without_edges(num_nodes, dtype, monkeypatch):
+    """No messages: zero output and gradients, on the stored path (fp32) and the opt-in recompute path
+    (bf16)."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", "1")
     case = Case(torch.empty(2, 0, dtype=torch.long), num_nodes, "weighted_mean")
     out, lse, stats, grads = run_triton(case, aggr="weighted_mean", gate_group="receiver", threshold=THRESHOLD,
                                         dropout=0.5, seed=1, dtype=dtype)
@@ -683,10 +685,12 @@ def test_nan_stays_in_its_neighbourhood(aggr, gate_group, dtype):
 @pytest.mark.parametrize("aggr, dtype", [("sum", torch.float32), ("gated_sum", torch.float32),
                                          ("sum", torch.bfloat16), ("gated_sum", torch.bfloat16)],
                          ids=["sum-fp32", "gated_sum-fp32", "sum-bf16", "gated_sum-bf16"])
-def test_nan_gradient_stays_in_its_neighbourhood(aggr, dtype):
+def test_nan_gradient_stays_in_its_neighbourhood(aggr, dtype, monkeypatch):
     """A NaN in one edge_attr row of centre 6 makes d_centre[6] NaN and leaves d_centre of every other
     centre and d_receiver_term of every receiver outside its neighbourhood as in the clean run (fp32: the
-    stored path's du kernel; bf16: the one-pass input gradients, whose tile sums span several segments)."""
+    stored path's du kernel; bf16: the opt-in one-pass input gradients, whose tile sums span several
+    segments)."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", "1")
     case = Case(*make_graph(), aggr)
     kw = dict(aggr=aggr, gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=0, dtype=dtype)
     clean = run_triton(case, **kw)[3]

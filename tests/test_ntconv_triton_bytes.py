@@ -101,6 +101,7 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     message gradient's (no row GEMM); elsewhere z, dz/du, y and dy are stored in bfloat16, do comes from the
     message gradient and du from the du kernel.  No row GEMM reads dy or dqkv, and the result keeps the
     accuracy rule."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", "1")
     seen = {}
     real = {name: getattr(ntconv_op, name) for name in ("prologue", "rows_gemm", "message_grad", "du_and_centre",
                                                           "message_grad_split", "input_grad_split")}
@@ -156,10 +157,13 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
 
 
 # --------------------------------------------------- bf16 against the accuracy rule
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["stored", "recompute"])
 @pytest.mark.parametrize("aggr, gate_group", AGGRS)
-def test_bf16_every_aggregator_with_performer_neighbourhoods_and_chunks(aggr, gate_group):
+def test_bf16_every_aggregator_with_performer_neighbourhoods_and_chunks(aggr, gate_group, recompute, monkeypatch):
     """bfloat16 throughout (intermediates included), edge features, dropout, Performer neighbourhoods,
-    several chunks: output and all eight gradients within the bfloat16 accuracy rule."""
+    several chunks, on the stored and the (opt-in) recompute paths: output and all eight gradients within
+    the bfloat16 accuracy rule."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", recompute)
     case = low_precision_case(aggr, autocast=False)
     run_low_precision(case, autocast=False, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2,
                       seed=6)
@@ -213,6 +217,8 @@ def _force_split(monkeypatch, on=True):
     device: the message gradient from o and the one-pass input gradients; or never (``on`` False: y, dy,
     z and dz/du stored, the path of fp32 and of sm_80 / sm_89)."""
     from nt_kernels.backends.triton import ntconv_grad, ntconv_igrad
+
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", "1" if on else "0")
 
     def width(heads, dim, mode, size, arch):
         return ntconv_grad.split_width(heads, dim, mode, 2, 90) if on else 0
@@ -353,16 +359,20 @@ def test_du_kernel_sums_segments_across_tiles(dtype):
     assert torch.equal(runs[1][0], du) and torch.equal(runs[1][1], centre)
 
 
-def test_the_stored_paths_on_request(monkeypatch):
-    """NT_KERNELS_NTCONV_STORED=1 (A/B timings): the backward stores y, dy, z and dz/du where it would not
-    (bf16 on the interpreter, which runs as sm_90), and the result keeps the accuracy rule."""
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+def test_the_recompute_paths_are_opt_in(recompute, monkeypatch):
+    """The recompute paths have not run on a GPU, so they are opt-in: by default the backward stores y, dy,
+    z and dz/du even where they apply (bf16 on the interpreter, which runs as sm_90);
+    NT_KERNELS_NTCONV_RECOMPUTE=1 takes them.  Both keep the accuracy rule."""
     calls = []
     for name in ("message_grad", "message_grad_split", "input_grad_split", "du_and_centre"):
         real = getattr(ntconv_op, name)
         monkeypatch.setattr(ntconv_op, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name)
                             or _real(*a, **kw))
-    monkeypatch.setenv("NT_KERNELS_NTCONV_STORED", "1")
+    if recompute:
+        monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", "1")
     case = low_precision_case("gated_sum", autocast=True)
     run_low_precision(case, autocast=True, aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD,
                       dropout=0.2, seed=6)
-    assert set(calls) == {"message_grad", "du_and_centre"}
+    assert set(calls) == ({"message_grad_split", "input_grad_split"} if recompute else
+                          {"message_grad", "du_and_centre"})

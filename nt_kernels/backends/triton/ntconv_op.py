@@ -34,8 +34,11 @@ dy and du are stored in the parameters' dtype too (the autocast dtype under
 autocast: half the bytes of fp32); the arithmetic on them (GELU, dropout, gates, reductions, the
 gradient accumulators) is fp32.
 
-``NT_KERNELS_NTCONV_STORED=1`` makes the backward store y, dy, z and dz/du
-on sm_90 too (the sm_80 / sm_89 path), for A/B timings of the two.
+The recompute paths (sm_90, 16-bit parameters: the forward's projection with the
+gates, the message gradient from o, the one-pass input gradients; y, dy, z and
+dz/du never stored) have not run on a GPU, so they are opt-in:
+``NT_KERNELS_NTCONV_RECOMPUTE=1``.  By default the op stores y, dy, z and dz/du
+everywhere (the stored path) until the GPU-truth issue measures both.
 
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
@@ -145,8 +148,8 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: boo
 def _sm90_paths(p: Problem) -> tuple[bool, bool]:
     """(y from o: the forward's projection and the backward's message gradient, ntconv_project.py and
     ntconv_grad.py; z and dz/du recomputed: the one-pass input gradients, ntconv_igrad.py), each where it
-    applies to this layer, dtype and device, unless NT_KERNELS_NTCONV_STORED=1."""
-    if os.environ.get("NT_KERNELS_NTCONV_STORED", "0") == "1":
+    applies to this layer, dtype and device, with NT_KERNELS_NTCONV_RECOMPUTE=1 (opt-in: never run on a GPU)."""
+    if os.environ.get("NT_KERNELS_NTCONV_RECOMPUTE", "0") != "1":
         return False, False
     size, arch = p.w_out.element_size(), device_arch(p.device)
     return (split_width(p.heads, p.head_dim, _grad_mode(p), size, arch) > 0,
