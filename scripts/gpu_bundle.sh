@@ -8,7 +8,8 @@
 #   .gpu-bundle/data/{tolokers,minesweeper}.npz, LICENCE.txt     the real graphs
 #   .gpu-bundle/manifest.json        versions, the wheel's name, the hash of csrc/ and CMakeLists.txt
 #   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
-#        Triton kernels of scripts/gpu_check.sh's warm workload (every check row's kernels) and of
+#        Triton kernels of scripts/gpu_check.sh's warm workload (every check row's kernels), of
+#        scripts/gpu_perf.sh's training steps (both paths of the fused layer) and of
 #        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl),
 #        compiled for sm_90 here, with GPU_PYTHON's Triton and the wheel installed, through
 #        scripts/gpu_triton.py's compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the
@@ -72,6 +73,16 @@ triton_aot() {
   (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu_triton.py" warm --fake-target --jobs "$jobs" \
     --tag aot --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 7200 -- check --device cpu --kernels-only \
     --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites "$WARM_SUITES")
+  # The training steps of scripts/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
+  # fused layer's default path and on its opt-in recompute path.
+  for recompute in 0 1; do
+    echo "gpu-bundle: Triton cache: layer steps (NT_KERNELS_NTCONV_RECOMPUTE=$recompute)"
+    (cd "$work" && "${env[@]}" NT_KERNELS_NTCONV_RECOMPUTE=$recompute "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu_triton.py" \
+      warm --fake-target --jobs "$jobs" --tag "aot-layer$recompute" --log "$PWD/aot.jsonl" --out-dir "$PWD" \
+      --timeout 3600 -- bench --layer --graph tolokers,minesweeper,powerlaw --device cpu --dtype bfloat16-autocast --in-process \
+      --warmup 0 --repeats 1 --dry-run --out "$PWD/layer$recompute") \
+      || echo "gpu-bundle: the layer-step warm failed (those kernels compile on the GPU)"
+  done
   mapfile -t records < <(ls bench/results/gpu-runs/*/triton-specs.jsonl 2>/dev/null)
   if [ ${#records[@]} -gt 0 ]; then
     echo "gpu-bundle: Triton cache: specialisations logged on GPUs: ${records[*]}"

@@ -52,7 +52,7 @@ export DEADLINE
 # The check's dtypes (nt_kernels/apps/check.py DTYPES; a test keeps them equal).
 CHECK_DTYPES=float32,bfloat16,float16
 # Test files that run on the GPU as a whole (their CPU cases too); elsewhere only -m cuda.
-CUDA_TEST_FILES="test_triton.py test_performer_cuda.py test_segment_table.py test_ntconv_triton.py test_mutants.py"
+CUDA_TEST_FILES="test_triton.py test_performer_cuda.py test_segment_table.py test_ntconv_triton.py test_ntconv_triton_bytes.py test_mutants.py"
 export CHECK_DTYPES CUDA_TEST_FILES WARM_DIMS WARM_DTYPES WARM_SUITES
 
 left() { echo $(( DEADLINE - $(date +%s) )); }  # seconds of the budget left

@@ -9,35 +9,48 @@
 #   bash scripts/gpu_perf.sh
 #   GPU_PERF=layer,roofline bash scripts/gpu_perf.sh
 #
-# Stages (GPU_PERF, a comma list; default layer,powerlaw,roofline,op; stage 0 always runs; they
-# run in this order, each limited to leave the later selected stages their minimum):
+# Stages (GPU_PERF, a comma list; default layer,steps,powerlaw,roofline,op; stage 0 always runs;
+# they run in this order, each limited to leave the later selected stages their minimum):
 #   0 env       versions, the bundle's wheel installed, Triton's fingerprint and the bundle's Triton cache
 #   warm        (only when named) the Triton kernels of the layer and powerlaw stages compiled
 #               ahead in 8 processes (scripts/gpu_triton.py warm; powerlaw at 2M messages)
-#   1 layer     tolokers training step (released preset), fused and unfused, bf16 autocast: 3
-#               warm-up + 5 timed steps each, then one step under torch.profiler with the 15 most
-#               expensive GPU kernels of each (scripts/gpu_profile.py)
+#   1 layer     tolokers training step (released preset; GPU_PERF_LAYER_GRAPHS, e.g.
+#               tolokers,minesweeper, for more graphs), bf16 autocast, each variant of
+#               GPU_PERF_LAYER_VARIANTS (default fused,fused:recompute,unfused: the fused layer on its
+#               default and on its opt-in recompute path, and unfused): 3 warm-up + 5 timed steps
+#               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
+#               each (scripts/gpu_profile.py)
+#   steps       the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm
+#               step (sync debug mode "error"), the whole step captured in a CUDA graph and replayed
+#               against eager steps (scripts/gpu_step_checks.py)
 #   2 powerlaw  the 100M-message power-law graph, fused, bf16 autocast: 1 warm-up step, the
 #               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
 #   3 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
 #               (scripts/gpu_measure.py roofline)
 #   4 op        `nt-kernels bench` on tolokers' exact-path and Performer-path segments, H = 4,
 #               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
-#               backends: "fused,flex" costs about 25 s of FlexAttention compiling)
+#               backends: "fused,flex" costs about 25 s of FlexAttention compiling;
+#               GPU_PERF_PERFORMER_DTYPES, e.g. float32, adds Performer runs in those dtypes;
+#               GPU_PERF_PERFORMER_MODE=tc runs them with NT_KERNELS_PERFORMER=tc, so that
+#               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT)
 # Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
-# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 180), GPU_WORK
-# (default /tmp/nt-gpu-perf), and scripts/gpu_common.sh's.
+# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 240),
+# GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu_common.sh's.
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
-GPU_PERF=${GPU_PERF:-layer,powerlaw,roofline,op}
-BUDGET=${GPU_PERF_BUDGET:-180}
+GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op}
+BUDGET=${GPU_PERF_BUDGET:-240}
+export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,unfused}
+export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
-export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused}
+export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \
+  GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-}
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
-declare -A LIMITS=([warm]="45 20" [layer]="55 30" [powerlaw]="90 50" [roofline]="25 12" [op]="45 20")
-ORDER=(warm layer powerlaw roofline op)
+declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
+                   [op]="70 30")
+ORDER=(warm layer steps powerlaw roofline op)
 DRY_SCALE=1  # 5 in a dry run on the CPU
 
 selected() { [[ ",$GPU_PERF," == *",$1,"* ]]; }
@@ -73,10 +86,23 @@ stage_warm() {
 }
 
 stage_layer() {
-  local args=(--graph tolokers --dtype bfloat16-autocast --warmup 3 --repeats 5 --top 15)
-  have_cuda || { args=(--graph tolokers --dtype bfloat16-autocast --device cpu --warmup 0 --repeats 1 --top 15)
+  local args=(--dtype bfloat16-autocast --warmup 3 --repeats 5 --top 15) graph json rc=0
+  have_cuda || { args=(--dtype bfloat16-autocast --device cpu --warmup 0 --repeats 1 --top 15)
                  echo "SKIP CUDA: the same profile on CPU, graphs cut to 1,000 nodes"; }
-  ntpy "$REPO/scripts/gpu_profile.py" "${args[@]}" --json "$WORK/json/perf-layer.json"
+  for graph in ${GPU_PERF_LAYER_GRAPHS//,/ }; do  # perf-layer.json for tolokers, perf-layer-<graph>.json else
+    json=$WORK/json/perf-layer.json
+    [ "$graph" = tolokers ] || json=$WORK/json/perf-layer-$graph.json
+    ntpy "$REPO/scripts/gpu_profile.py" --graph "$graph" "${args[@]}" --variants "$GPU_PERF_LAYER_VARIANTS" \
+      --json "$json" || rc=1
+  done
+  return $rc
+}
+
+stage_steps() {
+  local args=(--graph tolokers)
+  have_cuda || { args=(--graph tolokers --device cpu --warmup 1 --steps 2)
+                 echo "SKIP CUDA: compiles only, on CPU, graphs cut to 1,000 nodes"; }
+  ntpy "$REPO/scripts/gpu_step_checks.py" "${args[@]}" --json "$WORK/json/perf-steps.json"
 }
 
 stage_op() {
@@ -90,8 +116,15 @@ stage_op() {
   fi
   local rc=0
   ntpy "${bench[@]}" --subset exact --backends "$GPU_PERF_OP_BACKENDS" --out "$WORK/json/perf-op-exact.json" || rc=1
-  ntpy "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
+  # GPU_PERF_PERFORMER_MODE (tc or simt) is NT_KERNELS_PERFORMER for the Performer runs only.
+  local mode=(env) dtype
+  [ -n "$GPU_PERF_PERFORMER_MODE" ] && mode=(env NT_KERNELS_PERFORMER="$GPU_PERF_PERFORMER_MODE")
+  "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
     --out "$WORK/json/perf-op-performer.json" || rc=1
+  for dtype in ${GPU_PERF_PERFORMER_DTYPES//,/ }; do  # more dtypes of the Performer subset
+    "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
+      --dtype "$dtype" --out "$WORK/json/perf-op-performer-$dtype.json" || rc=1
+  done
   return $rc
 }
 
@@ -107,7 +140,7 @@ stage_powerlaw() {
   ntpy -m nt_kernels.cli bench --layer --graph powerlaw --dtype bfloat16-autocast --variants fused --warmup 1 \
     --repeats 2 "${args[@]}" --out "$WORK/json/perf-powerlaw"
 }
-export -f stage_env stage_warm stage_layer stage_op stage_roofline stage_powerlaw install_site triton_cache_setup
+export -f stage_env stage_warm stage_layer stage_steps stage_op stage_roofline stage_powerlaw install_site triton_cache_setup
 
 stage_done() {  # perf.json from every stage's JSON so far, and the table
   STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu_perf_report.py" "$WORK" "$OUT/perf.json" \
@@ -127,7 +160,7 @@ if [ "${STATUS[env]}" != ok ]; then
   exit 1
 fi
 number=1
-for stage in layer powerlaw roofline op; do
+for stage in layer steps powerlaw roofline op; do
   if [ "$stage" = layer ] && selected warm; then
     run_stage w warm "$(limit_of warm)" stage_warm
   fi

@@ -42,9 +42,13 @@ def collect(work: str) -> dict:
     records = gpu_triton.read_log([f"{work}/logs/triton.jsonl"])
     return {"total_seconds": int(os.environ.get("TOTAL", 0)), "stages": stages,
             "layer": load(f"{work}/json/perf-layer.json"),
+            **{f"layer_{os.path.basename(p)[11:-5]}": load(p) for p in sorted(glob.glob(f"{work}/json/perf-layer-*.json"))},
             "op_exact": op_summary(load(f"{work}/json/perf-op-exact.json")),
             "op_performer": op_summary(load(f"{work}/json/perf-op-performer.json")),
+            **{f"op_performer_{os.path.basename(p)[18:-5]}": op_summary(load(p))
+               for p in sorted(glob.glob(f"{work}/json/perf-op-performer-*.json"))},
             "roofline": load(f"{work}/json/perf-roofline.json"),
+            "steps": load(f"{work}/json/perf-steps.json"),
             "powerlaw": powerlaw[0] if powerlaw else None,
             "triton": {name: gpu_triton.counts(records, name) for name in stages}}
 
@@ -60,17 +64,23 @@ def mib(value):
 def table(doc: dict) -> str:
     lines = ["", "== gpu_perf summary " + " ".join(f"{k}={v['status']}({v['seconds']} s)"
                                                    for k, v in doc["stages"].items())]
-    layer = doc["layer"]
-    if layer:
+    for layer in [doc[k] for k in doc if k == "layer" or k.startswith("layer_")]:
+        if not layer:
+            continue
         for e in layer["variants"]:
             top = e.get("top_kernels", [])[:3]
             peak = fmt(mib(e.get("peak_memory_bytes")), ",.0f", " MiB")
-            lines.append(f"layer {layer['graph']} {layer['dtype']} {e['variant']:8s} step "
-                         f"{fmt(e.get('step_ms'), '.1f', ' ms')}, peak {peak} [{e.get('status')}]; top: "
+            lines.append(f"layer {layer['graph']} {layer['dtype']} {e['variant']:18s} step "
+                         f"{fmt(e.get('step_ms'), '.1f', ' ms')} ({fmt(e.get('speedup_vs_unfused'), '.2f', 'x')} "
+                         f"unfused), peak {peak} [{e.get('status')}]; top: "
                          + "; ".join(f"{t['name'][:40]} {t['ms']:.1f} ms" for t in top))
         if "fused_speedup" in layer:
-            lines.append(f"layer: fused {layer['fused_speedup']:.2f}x faster per step than unfused")
-    for key in ("op_exact", "op_performer"):
+            lines.append(f"layer {layer['graph']}: fused {layer['fused_speedup']:.2f}x faster per step than unfused")
+    steps = doc.get("steps")
+    if steps:
+        lines.append("steps: " + "; ".join(f"{k} {json.dumps(steps.get(k))[:160]}"
+                                           for k in ("compiles", "syncs", "cuda_graph")))
+    for key in [k for k in doc if k.startswith("op_")]:
         op = doc[key]
         if op:
             cells = [f"{name} {fmt(r.get('forward_backward_ms'), '.2f')}/{fmt(r.get('forward_ms'), '.2f')} ms"

@@ -8,7 +8,12 @@ allocated before it, then one step under ``torch.profiler`` whose ``--top`` most
 GPU kernels (self device time) are printed and saved with their share of the step's kernel
 time.  A step is forward, cross-entropy on the loss nodes, backward and an Adam step, as in
 ``nt-kernels bench --layer`` (same graphs and presets: nt_kernels.bench.layer), but here
-both variants run in this one process, one after the other.
+the variants run in this one process, one after the other.
+
+A variant may name environment switches after colons, set while it runs (the op reads both at
+every call): ``:recompute`` (``NT_KERNELS_NTCONV_RECOMPUTE=1``, the fused layer's opt-in sm_90
+recompute path) and ``:tc`` / ``:simt`` (``NT_KERNELS_PERFORMER``, the CUDA Performer kernels),
+e.g. ``--variants fused,fused:recompute,fused:recompute:tc,unfused``.
 
 On a machine without CUDA (``--device cpu``, a dry run of the GPU script) the graphs are cut
 down (``build_graph(dry_run=True)``) and the table ranks CPU time instead.
@@ -18,7 +23,9 @@ down (``build_graph(dry_run=True)``) and the table ranks CPU time instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -55,12 +62,42 @@ def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], floa
     return rows, total
 
 
+SWITCHES = {"recompute": ("NT_KERNELS_NTCONV_RECOMPUTE", "1"), "tc": ("NT_KERNELS_PERFORMER", "tc"),
+            "simt": ("NT_KERNELS_PERFORMER", "simt")}
+
+
+@contextlib.contextmanager
+def switches(names: list[str]):
+    """The environment switches of a variant (SWITCHES), set while it runs and restored after."""
+    unknown = [n for n in names if n not in SWITCHES]
+    if unknown:
+        raise ValueError(f"--variants: unknown switch {unknown[0]!r}; expected one of {sorted(SWITCHES)}")
+    saved = {SWITCHES[n][0]: os.environ.get(SWITCHES[n][0]) for n in names}
+    os.environ.update(dict(SWITCHES[n] for n in names))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def profile_variant(args, variant: str, device: torch.device) -> dict:
+    base, *names = variant.split(":")
+    if base not in ("fused", "unfused"):
+        raise ValueError(f"--variants: {variant!r} must start with fused or unfused")
+    with switches(names):
+        return _profile(args, variant, base == "fused", device)
+
+
+def _profile(args, variant: str, fused: bool, device: torch.device) -> dict:
     graph = build_graph(args.graph, messages=None, seed=0, device=device, dry_run=device.type != "cuda")
     csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
     graph.edge_index = None
     torch.manual_seed(0)
-    model = _model(PRESETS[args.graph], graph, fused=variant == "fused").to(device).train()
+    model = _model(PRESETS[args.graph], graph, fused=fused).to(device).train()
     model.prepare(csr, graph.x.shape[0])
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     autocast = args.dtype == "bfloat16-autocast"
@@ -104,7 +141,8 @@ def print_variant(entry: dict, device: torch.device) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graph", default="tolokers", choices=sorted(PRESETS))
-    parser.add_argument("--variants", default="fused,unfused")
+    parser.add_argument("--variants", default="fused,unfused",
+                        help="comma list: fused or unfused, each with optional :recompute, :tc or :simt switches")
     parser.add_argument("--dtype", default="bfloat16-autocast", choices=("float32", "bfloat16-autocast"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=3)
@@ -129,11 +167,14 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
     ok = [e for e in doc["variants"] if e.get("status") == "ok"]
-    if len(ok) == 2:
-        by = {e["variant"]: e for e in ok}
-        if {"fused", "unfused"} <= set(by):
-            doc["fused_speedup"] = by["unfused"]["step_ms"] / by["fused"]["step_ms"]
-            print(f"\nfused vs unfused: {doc['fused_speedup']:.2f}x faster per step")
+    by = {e["variant"]: e for e in ok}
+    if "unfused" in by:
+        for name, entry in by.items():
+            if name.startswith("fused"):
+                entry["speedup_vs_unfused"] = by["unfused"]["step_ms"] / entry["step_ms"]
+                print(f"{name} vs unfused: {entry['speedup_vs_unfused']:.2f}x faster per step")
+        if "fused" in by:
+            doc["fused_speedup"] = by["fused"]["speedup_vs_unfused"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

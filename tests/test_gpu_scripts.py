@@ -183,16 +183,18 @@ def test_gpu_perf_dry_run(tmp_path):
     result = run(["bash", "scripts/gpu_perf.sh"], env=dry_env(tmp_path, "perf"))
     out = tmp_path / "perf-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-powerlaw.log", "3-roofline.log",
-                                              "4-op.log", "perf.json", "results.tar.gz"}
+    assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-steps.log", "3-powerlaw.log",
+                                              "4-roofline.log", "5-op.log", "perf.json", "results.tar.gz"}
     doc = json.loads((out / "perf.json").read_text())
-    assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {"fused": "ok", "unfused": "ok"}
+    assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {
+        "fused": "ok", "fused:recompute": "ok", "unfused": "ok"}
+    assert doc["steps"]["compiles"]["steps"] == 2 and doc["steps"]["cuda_graph"] == {"skipped": "needs CUDA"}
     assert all(len(v["top_kernels"]) == 15 for v in doc["layer"]["variants"])
     assert doc["op_exact"]["backends"]["fused"]["status"] == "ok"
     assert doc["op_performer"]["backends"]["fused"]["status"] == "ok"
     assert doc["roofline"]["forward_ms"] > 0
     assert doc["powerlaw"]["results"][0]["status"] == "ok" and len(doc["powerlaw"]["results"][0]["step_ms_runs"]) == 2
-    assert "== gpu_perf summary" in result.stdout and "layer: fused" in result.stdout
+    assert "== gpu_perf summary" in result.stdout and "layer tolokers: fused" in result.stdout
 
 
 def test_fingerprint_and_compare(tmp_path):

@@ -1,0 +1,161 @@
+"""Stage "steps" of scripts/gpu_perf.sh: issue 28's training-step targets that are not times.
+
+On a bench graph's preset (default tolokers), fused layers, bf16 autocast, one process:
+
+1. **compiles after warm-up**: after ``--warmup`` steps, the Triton specialisations this
+   process meets for the first time (Triton's post-compile hook: a compile or a disk-cache
+   load) during ``--steps`` more steps, each drawing a fresh dropout seed;
+2. **host syncs**: one warm step under ``torch.cuda.set_sync_debug_mode("error")`` (the first
+   synchronising call raises; its message is recorded);
+3. **CUDA graph**: the whole step (zero_grad, forward, loss, backward, Adam with
+   ``capturable=True``) captured by ``torch.cuda.graph`` and replayed ``--replays`` times,
+   against the same steps run eagerly on a twin model from the same state.  Both models
+   are built with dropout 0: the fused op draws its dropout seed on the host, so a
+   captured step replays the captured seed (recorded as ``dropout_seed`` below).
+
+On a machine without CUDA (a dry run of the GPU script) only step 1 runs, on the CPU
+with a cut-down graph; 2 and 3 are recorded as ``skipped``.
+
+    python scripts/gpu_step_checks.py --graph tolokers --json perf-steps.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+
+import torch
+
+from nt_kernels.bench.layer import LEARNING_RATE, _model, _step
+from nt_kernels.bench.layer_graphs import PRESETS, build_graph
+from nt_kernels.csr import NeighbourhoodCSR
+
+
+class CompileCounter:
+    """Counts Triton's post-compile hook calls (chained to the one the GPU scripts' log installed)."""
+
+    def __init__(self):
+        from triton import knobs
+
+        self.count, self.kernels = 0, []
+        self._knobs, self._previous = knobs, knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = self._hook
+
+    def _hook(self, **kwargs):
+        self.count += 1
+        self.kernels.append(kwargs["fn"].name)
+        if self._previous is not None:
+            return self._previous(**kwargs)
+        return None
+
+
+def setup(args, device, dropout=None):
+    graph = build_graph(args.graph, messages=None, seed=0, device=device, dry_run=device.type != "cuda")
+    csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
+    preset = PRESETS[args.graph]
+    if dropout is not None:
+        preset = dataclasses.replace(preset, dropout=dropout)
+    torch.manual_seed(0)
+    model = _model(preset, graph, fused=True).to(device).train()
+    model.prepare(csr, graph.x.shape[0])
+    return graph, csr, model
+
+
+def step(model, optimizer, graph, csr):
+    return _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast=True)
+
+
+def compiles(args, device) -> dict:
+    graph, csr, model = setup(args, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    for _ in range(args.warmup):
+        step(model, optimizer, graph, csr)
+    counter = CompileCounter()
+    for _ in range(args.steps):
+        step(model, optimizer, graph, csr)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {"steps": args.steps, "compiles": counter.count, "kernels": sorted(set(counter.kernels))}
+
+
+def syncs(args, device) -> dict:
+    graph, csr, model = setup(args, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    for _ in range(args.warmup):
+        step(model, optimizer, graph, csr)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(model, optimizer, graph, csr)
+        result = {"syncs": 0}
+    except RuntimeError as exc:
+        result = {"syncs": ">= 1", "first": f"{exc}"[:600]}
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize(device)
+    return result
+
+
+def cuda_graph(args, device) -> dict:
+    graph, csr, eager = setup(args, device, dropout=0.0)
+    captured = copy.deepcopy(eager)
+    opt_eager = torch.optim.Adam(eager.parameters(), lr=LEARNING_RATE, capturable=True)
+    opt_graph = torch.optim.Adam(captured.parameters(), lr=LEARNING_RATE, capturable=True)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        for _ in range(args.warmup):
+            step(captured, opt_graph, graph, csr)
+    torch.cuda.current_stream(device).wait_stream(side)
+    for _ in range(args.warmup):
+        step(eager, opt_eager, graph, csr)
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            static_loss = step(captured, opt_graph, graph, csr)
+    except Exception as exc:  # noqa: BLE001  (recorded: the target is that capture works)
+        return {"captured": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
+    replayed, expected = [], []
+    for _ in range(args.replays):
+        g.replay()
+        replayed.append(float(static_loss))
+        expected.append(float(step(eager, opt_eager, graph, csr)))
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(replayed, expected))
+    return {"captured": True, "replay_losses": replayed, "eager_losses": expected, "max_rel_diff": worst,
+            "same_loss": worst <= 1e-3, "dropout_seed": "drawn on the host: a replay reuses the captured seed"}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--graph", default="tolokers", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    doc = {"graph": args.graph, "device": str(device), "torch": torch.__version__,
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    checks = [("compiles", compiles)] + ([("syncs", syncs), ("cuda_graph", cuda_graph)] if device.type == "cuda" else [])
+    for name, fn in checks:
+        try:
+            doc[name] = fn(args, device)
+        except Exception as exc:  # noqa: BLE001  (recorded; the next check still runs)
+            doc[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+        print(f"{name}: {json.dumps(doc[name])[:700]}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+    for name in ("syncs", "cuda_graph"):
+        doc.setdefault(name, {"skipped": "needs CUDA"})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if all("error" not in doc[n] for n, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
