@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU self-check (issues 11 and 22): every `nt-kernels check` row and every CUDA test, stages
-# 1-3 in at most 240 s from a bare machine, each result written to $OUT as soon as it exists.
+# 1-3 in at most 360 s from a bare machine (the issue's target is 240 s: the first H200 run showed the
+# CUDA tests alone need about 300 s on 16 workers), each result written to $OUT as soon as it exists.
 #
 # 1. On a machine without a GPU: `make gpu-bundle GPU_PYTHON=...` writes .gpu-bundle/ (git-ignored):
 #    the CUDA wheel built with the GPU machine's Python and torch, the real graphs and, with
@@ -14,7 +15,7 @@
 #    ./gpu-out), each file as soon as it has something: 1-env.log 2-check.log 3-tests.log
 #    [4-bench.log] summary.json results.tar.gz.
 #
-# Stages, each under its own limit inside one budget (GPU_CHECK_BUDGET, default 240 s, for
+# Stages, each under its own limit inside one budget (GPU_CHECK_BUDGET, default 360 s, for
 # stages 1-3), each streaming to its log:
 #   1 env    nvidia-smi, versions, `nt-kernels info`, the bundle's wheel installed when its source
 #            hash matches csrc/ and it imports (else the extension is built: 1b), a CUDA Performer smoke test,
@@ -46,7 +47,7 @@ set -uo pipefail   # no -e: a failing stage is recorded and the next one runs
 source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-${GPU_CHECK_WORK:-/tmp/nt-gpu-check}}"
 GPU_CHECK_STAGES=${GPU_CHECK_STAGES:-2,3,5}
-BUDGET=${GPU_CHECK_BUDGET:-240}
+BUDGET=${GPU_CHECK_BUDGET:-360}
 DEADLINE=$(( START + BUDGET ))
 export DEADLINE
 # The check's dtypes (nt_kernels/apps/check.py DTYPES; a test keeps them equal).
@@ -101,11 +102,17 @@ stage_check() {
     echo "sharded check on CPU, both cut down"
     DEVICE=cpu fake=(--fake-target) warm_dims=8 warm_dtypes=float32 warm_suites=exact jobs=2 warm_limit=300
   fi
-  echo "-- 2a warm (limit ${warm_limit} s, $jobs processes): check --kernels-only --dims $warm_dims" \
-    "--dtypes $warm_dtypes --suites $warm_suites"
-  ntpy "$REPO/scripts/gpu_triton.py" warm --jobs "$jobs" --tag warm --out-dir "$WORK/logs" \
-    --timeout "$warm_limit" "${fake[@]}" -- check --device "$DEVICE" --kernels-only --dims "$warm_dims" \
-    --dtypes "$warm_dtypes" --suites "$warm_suites"
+  if [ "$DEVICE" = cuda ] && [ -f "$WORK/triton-aot" ]; then
+    # The first H200 run: with the bundle's cache unpacked, the warm's 16 processes loaded 252 kernels, all
+    # cache hits, and spent the whole 100 s limit doing so, which left the check no time.
+    echo "-- 2a warm: skipped (the bundle's Triton cache matched this Triton and was unpacked)"
+  else
+    echo "-- 2a warm (limit ${warm_limit} s, $jobs processes): check --kernels-only --dims $warm_dims" \
+      "--dtypes $warm_dtypes --suites $warm_suites"
+    ntpy "$REPO/scripts/gpu_triton.py" warm --jobs "$jobs" --tag warm --out-dir "$WORK/logs" \
+      --timeout "$warm_limit" "${fake[@]}" -- check --device "$DEVICE" --kernels-only --dims "$warm_dims" \
+      --dtypes "$warm_dtypes" --suites "$warm_suites"
+  fi
   echo "-- 2b check ($(left) s of the budget left); rows as [shard] lines below, as they are computed"
   if [ "$DEVICE" = cuda ]; then
     # Longest first: tolokers (the float64 loop reference over 11,758 segments), then D = 256.
@@ -185,7 +192,7 @@ stage_bench() {
 }
 # ---------------------------------------------------------------- stage 5
 stage_sanitize() {
-  local tool tools=(memcheck racecheck initcheck) n=3 limit rc failed=0
+  local tool tools=(memcheck racecheck initcheck) limit rc failed=0
   if ! have_cuda; then
     echo "SKIP compute-sanitizer (no CUDA device): the workloads on CPU (the CPU op), to catch script errors"
     TRITON_INTERPRET=0 ntpy "$REPO/scripts/gpu_sanitize.py" --device cpu 2>&1 | grep -v "^  ok "
@@ -195,12 +202,18 @@ stage_sanitize() {
     echo "SKIP compute-sanitizer: not on PATH"
     return 1
   fi
-  for tool in "${tools[@]}"; do  # the stage's time split evenly over the tools left
-    limit=$(( (SANITIZE_DEADLINE - $(date +%s)) / n ))
-    n=$(( n - 1 ))
-    echo "-- $tool (limit ${limit} s)"
+  # The stage's time split over the tools left, in shares of 2:2:1 (initcheck, the fastest, last: the first
+  # H200 run finished it in 34 s and neither of the others in 33 s); memcheck and racecheck run the CUDA
+  # Performer first (its kernels share memory between threads), then the fused op.
+  declare -A share=([memcheck]=2 [racecheck]=2 [initcheck]=1) order=([memcheck]=performer,fused
+                    [racecheck]=performer,fused [initcheck]=fused,performer)
+  local shares_left=5
+  for tool in "${tools[@]}"; do
+    limit=$(( (SANITIZE_DEADLINE - $(date +%s)) * ${share[$tool]} / shares_left ))
+    shares_left=$(( shares_left - ${share[$tool]} ))
+    echo "-- $tool (limit ${limit} s, parts ${order[$tool]})"
     (cd "$WORK" && timeout --kill-after=5 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-      "$PY" -P "$REPO/scripts/gpu_sanitize.py") >"$WORK/logs/sanitize-$tool.log" 2>&1
+      "$PY" -P "$REPO/scripts/gpu_sanitize.py" --part "${order[$tool]}") >"$WORK/logs/sanitize-$tool.log" 2>&1
     rc=$?
     grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$tool.log" | tail -5
     echo "-- $tool: exit $rc"
@@ -285,7 +298,7 @@ if ! have_cuda; then export DEADLINE=$(( DEADLINE + 900 )); fi  # the dry run on
 
 selected() { [[ ",$GPU_CHECK_STAGES," == *",$1,"* ]]; }
 selected 2 && run_stage 2 check "$(cap "$(have_cuda && echo 130 || echo 900)" 60)" stage_check
-selected 3 && run_stage 3 tests "$(cap "$(have_cuda && echo 120 || echo 600)" 3)" stage_tests
+selected 3 && run_stage 3 tests "$(cap 600 3)" stage_tests  # the rest of the budget
 if selected 4; then
   BENCH_DEADLINE=$(( $(date +%s) + ${GPU_BENCH_BUDGET:-240} ))
   export BENCH_DEADLINE

@@ -166,7 +166,7 @@ triton_cache_setup() {
   elif [ $rc -ne 0 ]; then
     echo "triton cache: the bundle's cache was built with another Triton stack (above): not unpacked, kernels compile here"
   else
-    ntpy "$REPO/scripts/gpu_triton.py" unpack "$aot" "$TRITON_CACHE_DIR"
+    ntpy "$REPO/scripts/gpu_triton.py" unpack "$aot" "$TRITON_CACHE_DIR" && echo ok >"$WORK/triton-aot"
   fi
   return 0
 }

@@ -161,16 +161,19 @@ def run_performer(device) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--part", default="all", choices=["all", "fused", "performer"])
+    parser.add_argument("--part", default="fused,performer",
+                        help="comma list of fused and performer, run in that order (default fused,performer)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device (use --device cpu for a dry run)")
+    parts = {"fused": run_fused, "performer": run_performer}
+    names = args.part.split(",")
+    if not names or any(n not in parts for n in names):
+        parser.error(f"--part: expected a comma list of {sorted(parts)}, got {args.part!r}")
     ok = True
-    if args.part in ("all", "fused"):
-        ok &= run_fused(device)
-    if args.part in ("all", "performer"):
-        ok &= run_performer(device)
+    for name in names:
+        ok &= parts[name](device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     print("gpu_sanitize:", "OK" if ok else "FAILED")

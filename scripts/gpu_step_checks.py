@@ -5,8 +5,8 @@ On a bench graph's preset (default tolokers), fused layers, bf16 autocast, one p
 1. **compiles after warm-up**: after ``--warmup`` steps, the Triton specialisations this
    process meets for the first time (Triton's post-compile hook: a compile or a disk-cache
    load) during ``--steps`` more steps, each drawing a fresh dropout seed;
-2. **host syncs**: one warm step under ``torch.cuda.set_sync_debug_mode("error")`` (the first
-   synchronising call raises; its message is recorded);
+2. **host syncs**: one warm step under ``torch.cuda.set_sync_debug_mode("warn")``: how many
+   synchronising calls it makes and the Python lines that made them (each warning's location);
 3. **CUDA graph**: the whole step (zero_grad, forward, loss, backward, Adam with
    ``capturable=True``) captured by ``torch.cuda.graph`` and replayed ``--replays`` times,
    against the same steps run eagerly on a twin model from the same state.  Both models
@@ -21,10 +21,12 @@ with a cut-down graph; 2 and 3 are recorded as ``skipped``.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import json
 import sys
+import warnings
 
 import torch
 
@@ -86,16 +88,18 @@ def syncs(args, device) -> dict:
     for _ in range(args.warmup):
         step(model, optimizer, graph, csr)
     torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("warn")  # every sync warns; the warning names the Python line that made it
     try:
-        step(model, optimizer, graph, csr)
-        result = {"syncs": 0}
-    except RuntimeError as exc:
-        result = {"syncs": ">= 1", "first": f"{exc}"[:600]}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(model, optimizer, graph, csr)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize(device)
-    return result
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = collections.Counter(f"{w.filename}:{w.lineno}" for w in syncs)
+    return {"syncs": len(syncs), "where": dict(where.most_common(10)),
+            "message": str(syncs[0].message)[:300] if syncs else None}
 
 
 def cuda_graph(args, device) -> dict:

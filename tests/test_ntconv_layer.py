@@ -297,3 +297,19 @@ def test_nt_training_step_under_bf16_autocast():
     assert math.isfinite(loss.item())
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("dropout, capturing, raises", [(0.2, True, True), (0.0, True, False), (0.2, False, False)],
+                         ids=["dropout-capturing", "no-dropout-capturing", "dropout-eager"])
+def test_fused_dropout_refuses_cuda_graph_capture(dropout, capturing, raises, monkeypatch):
+    """Inside a CUDA graph capture the fused op's host-drawn dropout seed would be recorded once: an error naming
+    dropout, only then (the check itself; torch.cuda.is_current_stream_capturing stands in for a capture)."""
+    from nt_kernels.nn.conv import _check_not_capturing_dropout
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    if raises:
+        with pytest.raises(RuntimeError, match=r"dropout=0\.2 with the fused op cannot be captured"):
+            _check_not_capturing_dropout(dropout, torch.device("cuda"))
+    else:
+        _check_not_capturing_dropout(dropout, torch.device("cuda"))
+    _check_not_capturing_dropout(dropout, torch.device("cpu"))  # never on CPU

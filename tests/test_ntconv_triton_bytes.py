@@ -20,9 +20,9 @@ from nt_kernels.backends.triton.ntconv_grad import SPLIT_MIN_ARCH, grad_tiles  #
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles  # noqa: E402
 from nt_kernels.csr import reversed_csr  # noqa: E402
 from nt_kernels.nn.aggregate import receiver_csr  # noqa: E402
-from test_ntconv_triton import (AGGRS, DEVICE, NODE_TENSORS, SIZES, THRESHOLD, Case,  # noqa: E402
+from test_ntconv_triton import (AGGRS, DEVICE, GRAD_NAMES, NODE_TENSORS, SIZES, THRESHOLD, Case,  # noqa: E402
                                 _run_weight_grad, _weight_grad_case, assert_low_precision_result,
-                                assert_matches_reference_and_cpu_op, make_graph,
+                                assert_matches_reference_and_cpu_op, make_graph, op_args,
                                 reference, run_triton)
 
 WEIGHTS = ("w_edge", "w_qkv", "b_qkv", "w_out", "b_out")
@@ -45,11 +45,31 @@ def low_precision_case(aggr, *, autocast, edge_index=None, num_nodes=None, csr=N
     return case
 
 
-def run_low_precision(case, *, autocast, **kw):
+def run_triton_chunked(case, *, dtype=torch.float32, param_dtype=None, chunk_rows=CHUNK_ROWS, **kw):
+    """run_triton's (out, lse, stats, grads by name) with the plan built at ``chunk_rows`` rows per chunk on
+    CUDA too.  run_triton passes chunk_rows only under the interpreter: on CUDA it calls the dispatcher, whose
+    schema has no chunk_rows, so the op plans default_chunk_rows(C) (at least 1,024) rows per chunk, one chunk
+    for the small graphs here.  This calls the op's implementation, the very functions the dispatcher runs on
+    CUDA (ntconv_op.register), with its tests-only chunk_rows on every device."""
+    args = op_args(case, dtype=dtype, param_dtype=param_dtype, **kw)
+    out, lse, stats = ntconv_op.ntconv_fwd(*args, chunk_rows=chunk_rows)
+    grads = ntconv_op.ntconv_bwd(case.grad_out.to(DEVICE, out.dtype), out, lse, stats, *args, [True, True, True],
+                                 chunk_rows=chunk_rows)
+    return out, lse, stats, {n: g for n, g in zip(GRAD_NAMES, grads) if case.tensors[n] is not None}
+
+
+def planned_chunks(case, *, dtype, param_dtype, chunk_rows=CHUNK_ROWS, **kw) -> int:
+    """How many chunks the op plans for ``case`` at ``chunk_rows`` rows per chunk."""
+    args = op_args(case, dtype=dtype, param_dtype=param_dtype, **kw)
+    return len(ntconv_op.problem("test", dict(zip(ntconv_op.ARG_NAMES, args), chunk_rows=chunk_rows)).plan.chunks)
+
+
+def run_low_precision(case, *, autocast, run=run_triton, **kw):
     """The Triton op in bfloat16 (parameters; node terms too unless ``autocast``) and the accuracy rule
-    for the output and every gradient; returns the op's result."""
+    for the output and every gradient; returns the op's result.  ``run``: run_triton (CHUNK_ROWS under the
+    interpreter, the op's default chunks on CUDA) or run_triton_chunked (CHUNK_ROWS on every device)."""
     node_dtype = torch.float32 if autocast else torch.bfloat16
-    result = run_triton(case, dtype=node_dtype, param_dtype=torch.bfloat16, chunk_rows=CHUNK_ROWS, **kw)
+    result = run(case, dtype=node_dtype, param_dtype=torch.bfloat16, chunk_rows=CHUNK_ROWS, **kw)
     out, _, _, grads = result
     assert out.dtype == torch.bfloat16
     assert_low_precision_result(case, out, grads, torch.bfloat16, kw, autocast=autocast)
@@ -100,7 +120,8 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
     sum dW_qkv with du and d_centre (no z, no dz/du), and the forward's y comes from the same tiles as the
     message gradient's (no row GEMM); elsewhere z, dz/du, y and dy are stored in bfloat16, do comes from the
     message gradient and du from the du kernel.  No row GEMM reads dy or dqkv, and the result keeps the
-    accuracy rule."""
+    accuracy rule.  Several chunks (CHUNK_ROWS) on every device, CUDA included (run_triton_chunked), so that
+    one prologue per chunk and direction is what is counted."""
     monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", "1")
     seen = {}
     real = {name: getattr(ntconv_op, name) for name in ("prologue", "rows_gemm", "message_grad", "du_and_centre",
@@ -134,20 +155,23 @@ def test_per_row_intermediates_are_in_the_autocast_dtype(monkeypatch):
         return real["message_grad_split"](do, o, *args)
 
     case = low_precision_case("gated_sum", autocast=True)
+    kw = dict(aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD, dropout=0.2, seed=6)
+    chunks = planned_chunks(case, dtype=torch.float32, param_dtype=torch.bfloat16, **kw)
+    assert chunks > 1
     for name, spy in [("prologue", prologue), ("rows_gemm", rows_gemm), ("message_grad", message_grad),
                       ("du_and_centre", du_and_centre), ("message_grad_split", message_grad_split),
                       ("input_grad_split", input_grad_split)]:
         monkeypatch.setattr(ntconv_op, name, spy)
-    run_low_precision(case, autocast=True, aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD,
-                      dropout=0.2, seed=6)
+    run_low_precision(case, autocast=True, run=run_triton_chunked, **kw)
     bf16 = torch.bfloat16
     # no row GEMM for do or du (on sm_90 none for y either: the forward's projection shares the message
     # gradient's tiles); d_edge in the edge features' float32
-    chunks = len(seen["prologue"]) // 2  # one prologue per chunk in the forward and one in the backward
+    # one prologue per chunk in the forward and one in the backward
+    assert len(seen["prologue"]) == 2 * chunks
     if device_arch(DEVICE) >= SPLIT_MIN_ARCH:
         assert seen["gemm"] == {("d_edge", torch.float32)}
         assert "message_grad" not in seen and seen["message_grad_split"] == {(bf16, bf16)}
-        assert seen["prologue"] == [None] * (2 * chunks) and chunks > 1
+        assert seen["prologue"] == [None] * (2 * chunks)
         assert "du_and_centre" not in seen and seen["input_grad_split"] == {bf16}
     else:
         assert seen["gemm"] == {("y", bf16), ("d_edge", torch.float32)}

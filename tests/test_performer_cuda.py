@@ -17,7 +17,10 @@ in the backward: g / den and den^2 leave float16's range) or its error exceeds t
 float32 run's error x eps(dtype) / eps(float32) by more than 4x (float16 PyTorch's
 features at D = 53 and 64), the latter is the baseline; and no bound exceeds 10 % of
 max |reference| (where one would, the reference in float32 on the rounded inputs, rounded
-to the dtype, is the better-conditioned baseline).
+to the dtype, is the better-conditioned baseline).  With one random feature (m = 1) dq is
+identically zero (see ``vanishing_gradients``): its float64 reference is rounding noise, so
+dq is measured against the largest reference of (o, dq, dk, dv) instead, as ``nt-kernels check``
+does; the kernel's |dq| must then stay within the bound of PyTorch's own |dq|.
 
 What runs where.  Without a GPU (every CI run): the rule on the CPU kernel
 (``*_on_cpu``), and the rule on ``tensor_core_model``, a float32 model of the
@@ -36,6 +39,7 @@ import torch
 
 import nt_kernels  # noqa: F401  (registers torch.ops.nt_kernels)
 from helpers import assert_low_precision
+from nt_kernels.apps.tolerance import ZERO_REFERENCE, reference_scale
 from nt_kernels.performer import default_nb_features, orthogonal_random_features
 from nt_reference import ops as ref
 
@@ -102,18 +106,45 @@ def reference_fwd_bwd(q, k, v, rowptr, projection, grad_o):
     return (o.detach(), *grads)
 
 
+def vanishing_gradients(projection):
+    """The results that are identically zero in exact arithmetic: dq when there is one feature.
+
+    With m = 1 the query feature phi(q_i) = m^-1/2 (exp(u_i - c^2 |q_i|^2 / 2 - stab_i) + eps) is one
+    positive scalar per row and head, so o_i = phi(q_i) S / (phi(q_i) z) = S / z, with
+    S = sum_j phi(k_j) v_j^T and z = sum_j phi(k_j) from the keys alone: o does not depend on q and
+    dq = 0 for every head dim (D = 1 included).  The kernels' dq = c t P - c^2 (sum t) q has
+    t = lambda e (g . S - (g . o) z), which cancels only up to rounding (g . o z = g . S), so what
+    they return is rounding noise: exactly what the float64 reference returns too (about 1e-15),
+    a scale against which no relative comparison can tell a working kernel from a broken one.
+    dk and dv do not vanish (keys still weigh the values)."""
+    return {"dq"} if projection.shape[0] == 1 else set()
+
+
 def assert_within_twice_baseline(case, dtype, label, run=kernel_fwd_bwd):
     """run(dtype case) against float64 under the accuracy rule, for o, dq, dk and dv: PyTorch's
-    baselines are the loop reference on the same case in ``dtype`` and in float32."""
+    baselines are the loop reference on the same case in ``dtype`` and in float32.
+
+    A result of ``vanishing_gradients`` (and only such a one: the test checks that the float64
+    reference vanishes exactly there) is measured against the largest max |reference| of the four
+    (``row_scale``): the kernel's value itself must be at most twice PyTorch's own error on it plus
+    the dtype's floor of that scale, and that bound at most 10 % of it, so a dq of the size of the
+    other gradients (a kernel that does not cancel g . S against (g . o) z) fails."""
     exact = reference_fwd_bwd(*case)
     ours = run(*cast(case, dtype))
     low = reference_fwd_bwd(*cast(case, dtype))
     float32 = reference_fwd_bwd(*cast(case, torch.float32)) if dtype != torch.float32 else [None] * 4
     mixed = functools.cache(lambda: [t.to(dtype) for t in reference_fwd_bwd(*cast(cast(case, dtype), torch.float32))])
+    row_scale = max(reference_scale(want) for want in exact)
+    vanishing = vanishing_gradients(case[4])
     for i, (name, got, want, base, f32) in enumerate(zip(["o", "dq", "dk", "dv"], ours, exact, low, float32)):
         assert got.dtype == dtype and got.shape == want.shape, name
         assert torch.isfinite(got).all(), f"{name}: non-finite values ({label})"
-        assert_low_precision(got, want, base, f32, msg=f"{name} ({label})", torch_mixed=lambda i=i: mixed()[i])
+        zero = reference_scale(want) <= ZERO_REFERENCE * row_scale
+        assert zero == (name in vanishing), (
+            f"{name} ({label}): max|reference| {reference_scale(want):.3g} against the row's {row_scale:.3g}: "
+            f"expected it to {'vanish' if name in vanishing else 'be nonzero'}")
+        assert_low_precision(got, want, base, f32, msg=f"{name} ({label})", torch_mixed=lambda i=i: mixed()[i],
+                             row_scale=row_scale if zero else None)
 
 
 # ----------------------------------------------------------------- tensor-core model
@@ -268,6 +299,37 @@ def test_tensor_core_model_within_bound(dim, m, grad_scale, dtype):
     case[5] = case[5] * grad_scale
     assert_within_twice_baseline(case, DTYPES[dtype], f"tensor-core model, D={dim}, m={m}",
                                  run=tensor_core_model)
+
+
+CPU_RUNS = {"cpu-kernel": kernel_fwd_bwd, "tensor-core-model": tensor_core_model}
+
+
+@pytest.mark.parametrize("run", list(CPU_RUNS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_vanishing_dq_is_checked_against_the_other_results(dtype, run):
+    """D = 1, m = 1 (the CUDA test's first case): dq's float64 reference vanishes, and only dq's; the
+    CPU kernel and the tensor-core model meet the rule for it (|dq| against the row's scale), and a dq
+    of 0.1 everywhere (3 % of max |dk| here: above twice PyTorch's own |dq| plus the floor in every
+    dtype) fails it.  Where dq does not vanish (m = 2) a zeroed dq still fails."""
+    fn = CPU_RUNS[run]
+    case = make_case(CPU_SIZES, 1, m=1, device="cpu")
+    assert vanishing_gradients(case[4]) == {"dq"}
+    assert_within_twice_baseline(case, DTYPES[dtype], f"{run}, D=1, m=1, {dtype}", run=fn)
+
+    def with_dq(make):
+        def broken(*args):
+            o, dq, dk, dv = fn(*args)
+            return o, make(dq), dk, dv
+        return broken
+
+    with pytest.raises(AssertionError, match=r"^dq \(.*\): error .* > bound"):
+        assert_within_twice_baseline(case, DTYPES[dtype], f"{run}, D=1, m=1, {dtype}",
+                                     run=with_dq(lambda dq: torch.full_like(dq, 0.1)))
+    case = make_case(CPU_SIZES, 1, m=2, device="cpu")
+    assert vanishing_gradients(case[4]) == set()
+    with pytest.raises(AssertionError, match=r"^dq \(.*\): error .* > bound"):
+        assert_within_twice_baseline(case, DTYPES[dtype], f"{run}, D=1, m=2, {dtype}",
+                                     run=with_dq(torch.zeros_like))
 
 
 # The CUDA binding's choice of kernels (common/performer_choice.h), callable on every build.

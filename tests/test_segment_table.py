@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nt_kernels  # noqa: F401  (loads torch.ops.nt_kernels)
+from helpers import packed, projection
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ROWPTR = [0, 2, 2, 5, 9]  # 4 segments over 9 rows, segment 1 empty
@@ -72,22 +73,30 @@ def test_performer_segment_table_is_the_chunk_offsets_of_a_checked_table(device)
         torch.ops.nt_kernels.performer_segment_table(rowptr, torch.tensor([2, 2], device=device), 1001)
 
 
-def _performer_inputs(device, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(0)
+# The dtype of the table-op comparison on each device: float64 on the CPU; the CUDA Performer
+# takes float32, float16 and bfloat16 only (its binding rejects float64 by design), so float32 there.
+PERFORMER_DTYPE = {"cpu": torch.float64, "cuda": torch.float32}
+
+
+def _performer_inputs(device, dtype):
+    """Inputs drawn in float64 and rounded to ``dtype`` (tests/helpers.py), so both devices see the same
+    numbers up to that rounding."""
     rowptr = torch.tensor([0, 3, 3, 300, 301])
     e, h, d = 301, 2, 5
-    q, k, v, grad_o = (torch.randn(e, h, d, generator=gen, dtype=dtype).to(device) for _ in range(4))
-    projection = torch.randn(7, d, generator=gen, dtype=dtype).to(device)
-    return rowptr.to(device), torch.tensor([2, 0, 3], device=device), q, k, v, grad_o, projection
+    q, k, v, grad_o = packed(e, h, d, count=4, dtype=dtype, device=device)
+    return (rowptr.to(device), torch.tensor([2, 0, 3], device=device), q, k, v, grad_o,
+            projection(7, d, dtype=dtype, device=device))
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_table_ops_match_the_checking_ops_and_name_a_false_table(direction, device):
-    """performer_{fwd,bwd}_table_into given the table write what performer_{fwd,bwd}_into write
-    (rows of unlisted segments untouched); off CUDA they check the table, so a table that is not
-    performer_segment_table's is an error naming it (on CUDA it is trusted: the caller's promise)."""
-    rowptr, segments, q, k, v, grad_o, projection = _performer_inputs(device)
+    """performer_{fwd,bwd}_table_into given the table write bit for bit what performer_{fwd,bwd}_into
+    write (rows of unlisted segments untouched); off CUDA they check the table, so a table that is not
+    performer_segment_table's is an error naming it (on CUDA it is trusted: the caller's promise).
+    float64 on the CPU, float32 on CUDA (PERFORMER_DTYPE)."""
+    rowptr, segments, q, k, v, grad_o, features = _performer_inputs(device, PERFORMER_DTYPE[device])
+    assert q.dtype == PERFORMER_DTYPE[device]
     table = torch.ops.nt_kernels.performer_segment_table(rowptr, segments, q.shape[0])
     ops = torch.ops.nt_kernels
 
@@ -99,10 +108,12 @@ def test_table_ops_match_the_checking_ops_and_name_a_false_table(direction, devi
         else:
             args = (grad_o, q, k, v, rowptr, segments)
             op, extra = (ops.performer_bwd_table_into, (table,)) if with_table else (ops.performer_bwd_into, ())
-        op(*outs, *args, *extra, projection, 1e-4)
+        op(*outs, *args, *extra, features, 1e-4)
         return outs
 
     want, got = run(False), run(True)
+    assert all(t.dtype == q.dtype for t in want + got)
+    assert all(t.isfinite().all() for t in want), "a non-finite result would make the comparison vacuous"
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(t.ne(7.0).all() for t in want), "the listed segments hold every row"
     if device == "cuda":

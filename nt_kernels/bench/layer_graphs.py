@@ -106,7 +106,7 @@ class LayerGraph:
     name: str
     x: torch.Tensor
     y: torch.Tensor
-    loss_nodes: torch.Tensor | None
+    loss_nodes: torch.Tensor | None  # indices of the nodes the loss reads (None: every node)
     edge_index: torch.Tensor
     source: str
     description: str
@@ -122,7 +122,10 @@ def _real_graph(name: str, data_root, dry_run: bool, device) -> LayerGraph:
         keep = (edge_index < DRY_RUN_NODES).all(0)
         x, y, mask, edge_index = x[:DRY_RUN_NODES], y[:DRY_RUN_NODES], mask[:DRY_RUN_NODES], edge_index[:, keep]
         how = f"dry run: the subgraph induced by the first {DRY_RUN_NODES} nodes of " + how
-    return LayerGraph(name, x.to(device), y.to(device), mask.to(device), edge_index.to(device), "real", how)
+    # The loss nodes as indices, not a mask: indexing with a boolean mask syncs with the host at every step
+    # (it counts the mask's true entries), which the first H200 run's sync check caught.
+    nodes = mask.nonzero().flatten()
+    return LayerGraph(name, x.to(device), y.to(device), nodes.to(device), edge_index.to(device), "real", how)
 
 
 def _random_features(num_nodes: int, features: int, classes: int, seed: int, device):

@@ -77,6 +77,17 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def _check_not_capturing_dropout(dropout: float, device: torch.device) -> None:
+    """The fused op's dropout seed is drawn on the host (``_SEED_HIGH``): inside a CUDA graph capture it would
+    be recorded once and every replay would drop the same channels, so capturing with dropout is an error."""
+    # (Under torch.compile the check is skipped: Inductor runs no CUDA graph over a graph with CPU ops.)
+    if (dropout > 0 and device.type == "cuda" and not torch.compiler.is_compiling()
+            and torch.cuda.is_current_stream_capturing()):
+        raise RuntimeError(f"NTConv: dropout={dropout} with the fused op cannot be captured in a CUDA graph (its "
+                           "seed is drawn on the host, so every replay would reuse one dropout mask); capture with "
+                           "dropout=0 or in eval mode, or use fused=False (F.dropout draws its mask on the device)")
+
+
 def _check_dropout(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name}: dropout must be a number in [0, 1), got {value!r}")
@@ -285,6 +296,7 @@ class NTConv(nn.Module):
     def _forward_fused(self, x: torch.Tensor, csr: NeighbourhoodCSR, edge_attr) -> torch.Tensor:
         """Steps 1-4 of DESIGN §6 as one fused op from the two node terms (docs/design.md §9)."""
         dropout = self.dropout if self.training else 0.0
+        _check_not_capturing_dropout(dropout, x.device)
         seed = torch.randint(_SEED_HIGH, (), dtype=torch.int64) if dropout > 0 else None
         threshold = None if self.attention == "softmax" else self.threshold
         return ntconv(self.lin_centre(x), self.lin_receiver(x), csr, self.lin_qkv.weight, self.lin_qkv.bias,
