@@ -20,14 +20,14 @@
 #               default and on its opt-in recompute path, and unfused): 3 warm-up + 5 timed steps
 #               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
 #               each (scripts/gpu_profile.py)
-#   steps       the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm
-#               step (sync debug mode "error"), the whole step captured in a CUDA graph and replayed
-#               against eager steps (scripts/gpu_step_checks.py)
-#   2 powerlaw  the 100M-message power-law graph, fused, bf16 autocast: 1 warm-up step, the
+#   2 steps     the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm
+#               step (sync debug mode "warn", each with its Python line), the whole step captured in a
+#               CUDA graph and replayed against eager steps (scripts/gpu_step_checks.py)
+#   3 powerlaw  the 100M-message power-law graph, fused, bf16 autocast: 1 warm-up step, the
 #               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
-#   3 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
+#   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
 #               (scripts/gpu_measure.py roofline)
-#   4 op        `nt-kernels bench` on tolokers' exact-path and Performer-path segments, H = 4,
+#   5 op        `nt-kernels bench` on tolokers' Performer-path, then exact-path segments, H = 4,
 #               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
 #               backends: "fused,flex" costs about 25 s of FlexAttention compiling;
 #               GPU_PERF_PERFORMER_DTYPES, e.g. float32, adds Performer runs in those dtypes;
@@ -49,7 +49,7 @@ export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PER
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
-                   [op]="70 30")
+                   [op]="90 30")
 ORDER=(warm layer steps powerlaw roofline op)
 DRY_SCALE=1  # 5 in a dry run on the CPU
 
@@ -114,10 +114,10 @@ stage_op() {
            --dtype float32 --repeats 1 --warmup 0 --input-sets 1 --timeout 120)
     GPU_PERF_OP_BACKENDS=fused GPU_PERF_PERFORMER_BACKENDS=fused
   fi
-  local rc=0
-  ntpy "${bench[@]}" --subset exact --backends "$GPU_PERF_OP_BACKENDS" --out "$WORK/json/perf-op-exact.json" || rc=1
-  # GPU_PERF_PERFORMER_MODE (tc or simt) is NT_KERNELS_PERFORMER for the Performer runs only.
-  local mode=(env) dtype
+  # The Performer subset first (the first H200 run's exact subset with FlexAttention took 40 s of the
+  # stage and left the Performer none). GPU_PERF_PERFORMER_MODE (tc or simt) is NT_KERNELS_PERFORMER for
+  # the Performer runs only.
+  local rc=0 mode=(env) dtype
   [ -n "$GPU_PERF_PERFORMER_MODE" ] && mode=(env NT_KERNELS_PERFORMER="$GPU_PERF_PERFORMER_MODE")
   "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
     --out "$WORK/json/perf-op-performer.json" || rc=1
@@ -125,6 +125,7 @@ stage_op() {
     "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
       --dtype "$dtype" --out "$WORK/json/perf-op-performer-$dtype.json" || rc=1
   done
+  ntpy "${bench[@]}" --subset exact --backends "$GPU_PERF_OP_BACKENDS" --out "$WORK/json/perf-op-exact.json" || rc=1
   return $rc
 }
 
