@@ -189,8 +189,8 @@ def test_bf16_every_aggregator_with_performer_neighbourhoods_and_chunks(aggr, ga
     the bfloat16 accuracy rule."""
     monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", recompute)
     case = low_precision_case(aggr, autocast=False)
-    run_low_precision(case, autocast=False, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2,
-                      seed=6)
+    run_low_precision(case, autocast=False, run=run_triton_chunked, aggr=aggr, gate_group=gate_group,
+                      threshold=THRESHOLD, dropout=0.2, seed=6)
 
 
 @pytest.mark.parametrize("aggr, gate_group", [AGGRS[3], AGGRS[5]])
@@ -203,8 +203,8 @@ def test_autocast_dirnt_reversed_graph(aggr, gate_group):
     csr = reversed_csr(NeighbourhoodCSR.from_edge_index(edge_index, n), n)
     case = low_precision_case(aggr, autocast=True, edge_index=edge_index.flip(0), num_nodes=n, csr=csr)
     kw = dict(aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.3, seed=8)
-    first = run_low_precision(case, autocast=True, **kw)[3]
-    again = run_triton(case, dtype=torch.float32, param_dtype=torch.bfloat16, chunk_rows=CHUNK_ROWS, **kw)[3]
+    first = run_low_precision(case, autocast=True, run=run_triton_chunked, **kw)[3]
+    again = run_triton_chunked(case, dtype=torch.float32, param_dtype=torch.bfloat16, **kw)[3]
     for name in WEIGHTS:
         assert torch.equal(first[name], again[name]), name
 
@@ -333,8 +333,8 @@ def test_stored_y_path_of_the_split_modes_in_bf16(aggr, gate_group, monkeypatch)
     gradient), in bfloat16 within the accuracy rule."""
     _force_split(monkeypatch, on=False)
     case = low_precision_case(aggr, autocast=False)
-    run_low_precision(case, autocast=False, aggr=aggr, gate_group=gate_group, threshold=THRESHOLD, dropout=0.2,
-                      seed=6)
+    run_low_precision(case, autocast=False, run=run_triton_chunked, aggr=aggr, gate_group=gate_group,
+                      threshold=THRESHOLD, dropout=0.2, seed=6)
 
 
 # ------------------------------------------------ du and d_centre from one kernel
