@@ -84,9 +84,10 @@ def test_heuristic_is_documented_first_candidate(kernel):
     if size == "multi":
         inner = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
         assert configs.heuristic(kernel, "fp32", 64, size, 90) == {inner: 32, "num_warps": 4, "num_stages": 1}
-    else:
-        assert configs.heuristic(kernel, "fp32", 32, size, 90)["kernel"] == "heads"
-        assert configs.heuristic(kernel, "fp32", 64, size, 90)["kernel"] == "head"
+    else:  # the per-head kernel for every head dim; the whole-row kernel only as a candidate the tuner times
+        for dim_class in (1, 8, 32, 64):
+            assert configs.heuristic(kernel, "fp32", dim_class, size, 90)["kernel"] == "head"
+            assert any(c["kernel"] == "heads" for c in configs.candidates(kernel, "fp32", dim_class, size))
 
 
 def test_candidates_offer_cuda_cores_only_for_small_head_dims():

@@ -56,13 +56,6 @@ KERNELS = {
 WARPS = (2, 4, 8)
 STAGES = (1, 2, 3)
 
-# Heuristic (tile_elems, num_warps) of the "heads" kernel by (kernel, float32?, sm_90?): the largest budgets
-# whose compiles (sm_80 / 89 / 90, H = 1, 3, 4, head dims 1-32, tile heights 16-64) did not spill.
-HEADS_HEURISTIC = {("fwd_packed", False, True): (4096, 8), ("fwd_packed", True, True): (4096, 8),
-                   ("bwd_packed", False, True): (2048, 8), ("bwd_packed", True, True): (1024, 8),
-                   ("fwd_packed", False, False): (4096, 8), ("fwd_packed", True, False): (4096, 8),
-                   ("bwd_packed", False, False): (2048, 4), ("bwd_packed", True, False): (1024, 8)}
-HEADS_MAX_DIM_CLASS = 32            # the heuristic runs the "heads" kernel up to this head-dim class
 
 
 # ------------------------------------------------------------------ keys
@@ -131,24 +124,21 @@ def heuristic(kernel: str, dtype: str, dim_class: int, size: str, arch: int) -> 
     * Multi-tile kernels (``fwd_multi``, ``bwd_dq``, ``bwd_dkdv``): inner block
       32, 4 warps, 1 stage: the first config of the autotuning set, pinned by
       ``NT_KERNELS_TRITON_AUTOTUNE=0`` in the first H100 run (all checks passed).
-    * Packed kernels, head-dim classes <= 32 (the small-head regime): the
-      "heads" kernel (every head of several tiles in one work item, whole rows
-      loaded) with ``tl.dot`` (tensor cores for half types, FMA for float32),
-      1 stage, and (tile_elems, warps) = forward (4096, 8); backward (2048, 8)
-      for half types on sm_90, (2048, 4) on other architectures, (1024, 8) for
-      float32: the largest budgets that compiled without spills.  Where one
-      tile's heads exceed the budget at the call's H (tile height 64, say) the
-      per-head kernel runs instead (:func:`head_kernel_config`).
-    * Packed kernels, head-dim classes >= 64: the per-head kernel
-      (:func:`head_kernel_config`).
+    * Packed kernels: the per-head kernel (:func:`head_kernel_config`), the one
+      the first H100 run passed and timed.  The whole-row "heads" kernel (every
+      head of several tiles in one work item) is a candidate only: on its first
+      run, as the default for head-dim classes <= 32 (one H200, 2026-11-27), the
+      tolokers exact subset (H = 4, D = 32, bf16) took 3.03 ms forward +
+      backward against the per-head kernels' 2.28 ms on the H100, and the
+      roofline graph reached 21 % of the copy bandwidth against 27 %; its
+      GPU tests did not finish.  ``nt-kernels tune`` puts it back per key
+      where it times faster.
+    ``arch`` is kept for tables tuned per architecture (the heuristic is the same on all).
     """
     if KERNELS[kernel][0] == "multi":
         inner = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
         return {inner: 32, "num_warps": 4, "num_stages": 1}
-    if dim_class > HEADS_MAX_DIM_CLASS:
-        return head_kernel_config(kernel, dtype, dim_class, int(size[1:]))
-    elems, warps = HEADS_HEURISTIC[(kernel, dtype == "fp32", arch >= 90)]
-    return {"kernel": "heads", "tile_elems": elems, "dot": 1, "num_warps": warps, "num_stages": 1}
+    return head_kernel_config(kernel, dtype, dim_class, int(size[1:]))
 
 
 def head_kernel_config(kernel: str, dtype: str, dim_class: int, tile: int) -> dict:
@@ -163,8 +153,8 @@ def candidates(kernel: str, dtype: str, dim_class: int, size: str, heads: int = 
     """Configs the tuner (and on-line autotuning) times for one key, what the heuristic runs at
     ``heads`` first.
 
-    Packed: the per-head kernel's pinned config (4 warps, 1 stage), the
-    "heads" kernel with ``tl.dot`` at 4096, 2048, 8192 and 1024 elements per
+    Packed: the heuristic's per-head config, the per-head kernel's pinned
+    config (4 warps, 1 stage), the "heads" kernel with ``tl.dot`` at 4096, 2048, 8192 and 1024 elements per
     operand (those whose work item holds at least one tile at ``heads``) and 8
     / 4 warps, the per-head kernel's other warps / stages, and for head-dim
     classes <= 4 the "heads" kernel on CUDA cores (broadcast products summed
@@ -173,8 +163,6 @@ def candidates(kernel: str, dtype: str, dim_class: int, size: str, heads: int = 
     tuner can keep only the first few (``nt-kernels tune --max-candidates``).
     """
     out = [heuristic(kernel, dtype, dim_class, size, arch)]
-    if out[0].get("kernel") == "heads" and not heads_tiles(out[0], heads, dim_class, int(size[1:])):
-        out = [head_kernel_config(kernel, dtype, dim_class, int(size[1:]))]  # what the heuristic runs at H
     if KERNELS[kernel][0] == "multi":
         inner = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
         out += [{inner: b, "num_warps": w, "num_stages": s} for s in (1, 2) for w in (4, 8) for b in (32, 64)]
