@@ -9,9 +9,11 @@ On a bench graph's preset (default tolokers), fused layers, bf16 autocast, one p
    synchronising calls it makes and the Python lines that made them (each warning's location);
 3. **CUDA graph**: the whole step (zero_grad, forward, loss, backward, Adam with
    ``capturable=True``) captured by ``torch.cuda.graph`` and replayed ``--replays`` times,
-   against the same steps run eagerly on a twin model from the same state.  Both models
-   are built with dropout 0: the fused op draws its dropout seed on the host, so a
-   captured step replays the captured seed (recorded as ``dropout_seed`` below).
+   against the same steps run eagerly on a twin model from the same state (both with
+   dropout 0, so that the two can agree); then, with the preset's dropout, the whole step
+   captured and replayed (finite losses), and the first fused NTConv's forward captured and
+   replayed twice, which must draw two different dropout masks (NTConv draws the seed on the
+   device in a capture).
 
 On a machine without CUDA (a dry run of the GPU script) only step 1 runs, on the CPU
 with a cut-down graph; 2 and 3 are recorded as ``skipped``.
@@ -25,6 +27,7 @@ import collections
 import copy
 import dataclasses
 import json
+import math
 import sys
 import warnings
 
@@ -102,23 +105,31 @@ def syncs(args, device) -> dict:
             "message": str(syncs[0].message)[:300] if syncs else None}
 
 
+def capture(fn, warm, device):
+    """(graph, fn's output captured) after ``warm()`` ran on a side stream, as torch.cuda.graph asks."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        warm()
+    torch.cuda.current_stream(device).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def cuda_graph(args, device) -> dict:
+    result = {}
+    # 1. The whole step without dropout: replays against the same steps run eagerly on a twin model.
     graph, csr, eager = setup(args, device, dropout=0.0)
     captured = copy.deepcopy(eager)
     opt_eager = torch.optim.Adam(eager.parameters(), lr=LEARNING_RATE, capturable=True)
     opt_graph = torch.optim.Adam(captured.parameters(), lr=LEARNING_RATE, capturable=True)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
-        for _ in range(args.warmup):
-            step(captured, opt_graph, graph, csr)
-    torch.cuda.current_stream(device).wait_stream(side)
     for _ in range(args.warmup):
         step(eager, opt_eager, graph, csr)
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
-            static_loss = step(captured, opt_graph, graph, csr)
+        g, static_loss = capture(lambda: step(captured, opt_graph, graph, csr),
+                                 lambda: [step(captured, opt_graph, graph, csr) for _ in range(args.warmup)], device)
     except Exception as exc:  # noqa: BLE001  (recorded: the target is that capture works)
         return {"captured": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     replayed, expected = [], []
@@ -127,8 +138,32 @@ def cuda_graph(args, device) -> dict:
         replayed.append(float(static_loss))
         expected.append(float(step(eager, opt_eager, graph, csr)))
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(replayed, expected))
-    return {"captured": True, "replay_losses": replayed, "eager_losses": expected, "max_rel_diff": worst,
-            "same_loss": worst <= 1e-3, "dropout_seed": "drawn on the host: a replay reuses the captured seed"}
+    result.update(captured=True, replay_losses=replayed, eager_losses=expected, max_rel_diff=worst,
+                  same_loss=worst <= 1e-3)
+    # 2. With the preset's dropout: the whole step captures, and a captured forward draws a new mask per replay
+    # (NTConv draws the seed on the device inside a capture).
+    graph, csr, model = setup(args, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=True)
+    try:
+        g, static_loss = capture(lambda: step(model, optimizer, graph, csr),
+                                 lambda: [step(model, optimizer, graph, csr) for _ in range(args.warmup)], device)
+        losses = []
+        for _ in range(args.replays):
+            g.replay()
+            losses.append(float(static_loss))
+        # one fused NTConv alone (the model's other dropouts would differ per replay anyway)
+        conv = model.convs[0]
+        x = torch.randn(graph.x.shape[0], conv.in_channels, device=device)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            g, out = capture(lambda: conv(x, csr), lambda: conv(x, csr), device)
+            g.replay()
+            first = out.clone()
+            g.replay()
+        result.update(dropout_step_losses=losses, dropout_finite=all(map(math.isfinite, losses)),
+                      fresh_mask_per_replay=not torch.equal(first, out))
+    except Exception as exc:  # noqa: BLE001
+        result.update(dropout_error=f"{type(exc).__name__}: {exc}"[:600])
+    return result
 
 
 def main(argv=None) -> int:

@@ -299,17 +299,21 @@ def test_nt_training_step_under_bf16_autocast():
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("dropout, capturing, raises", [(0.2, True, True), (0.0, True, False), (0.2, False, False)],
-                         ids=["dropout-capturing", "no-dropout-capturing", "dropout-eager"])
-def test_fused_dropout_refuses_cuda_graph_capture(dropout, capturing, raises, monkeypatch):
-    """Inside a CUDA graph capture the fused op's host-drawn dropout seed would be recorded once: an error naming
-    dropout, only then (the check itself; torch.cuda.is_current_stream_capturing stands in for a capture)."""
-    from nt_kernels.nn.conv import _check_not_capturing_dropout
+@pytest.mark.parametrize("dropout, capturing, device", [(0.2, True, "cuda"), (0.2, False, "cuda"),
+                                                      (0.2, True, "cpu"), (0.0, True, "cuda")],
+                         ids=["capturing-cuda", "eager-cuda", "cpu", "no-dropout"])
+def test_fused_dropout_seed_is_drawn_on_the_device_only_in_a_capture(dropout, capturing, device, monkeypatch):
+    """Inside a CUDA graph capture the fused op's dropout seed comes from the device's generator (a host value
+    would be replayed as captured); elsewhere from the global CPU generator (torch.manual_seed reproduces it).
+    torch.cuda.is_current_stream_capturing and torch.randint stand in for a capture and the draw."""
+    from nt_kernels.nn import conv as conv_module
 
+    draws = []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    if raises:
-        with pytest.raises(RuntimeError, match=r"dropout=0\.2 with the fused op cannot be captured"):
-            _check_not_capturing_dropout(dropout, torch.device("cuda"))
+    monkeypatch.setattr(torch, "randint", lambda high, size, dtype, device=None: draws.append(device) or
+                        torch.zeros((), dtype=dtype))
+    seed = conv_module._draw_seed(dropout, torch.device(device))
+    if dropout == 0:
+        assert seed is None and draws == []
     else:
-        _check_not_capturing_dropout(dropout, torch.device("cuda"))
-    _check_not_capturing_dropout(dropout, torch.device("cpu"))  # never on CPU
+        assert draws == [torch.device("cuda") if capturing and device == "cuda" else None]

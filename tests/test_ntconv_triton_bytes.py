@@ -400,3 +400,32 @@ def test_the_recompute_paths_are_opt_in(recompute, monkeypatch):
                       dropout=0.2, seed=6)
     assert set(calls) == ({"message_grad_split", "input_grad_split"} if recompute else
                           {"message_grad", "du_and_centre"})
+
+
+# ------------------------------------------------- the seed read on the device (CUDA graph captures)
+@pytest.mark.parametrize("recompute", ["0", "1"], ids=["stored", "recompute"])
+def test_seed_read_on_the_device_draws_the_same_mask(recompute, monkeypatch):
+    """A seed on the device (what NTConv draws inside a CUDA graph capture; under the interpreter the CPU seed's
+    word is put in a device cell with the tests-only ``device_seed``) gives bitwise the output and gradients of
+    the same seed passed as a scalar: the forward's prologue, the backward's prologue (stored path) or the
+    one-pass input gradients (recompute path) draw the same mask; another seed draws another one."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", recompute)
+    case = low_precision_case("gated_sum", autocast=True)
+    kw = dict(aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD, dropout=0.3)
+
+    def run(seed, on_device):
+        args = list(op_args(case, dtype=torch.float32, param_dtype=torch.bfloat16, seed=seed, **kw))
+        extra = dict(chunk_rows=CHUNK_ROWS)
+        if on_device and DEVICE.type == "cuda":
+            args[17] = args[17].to(DEVICE)  # the schema's seed
+        elif on_device:
+            extra["device_seed"] = True
+        out, lse, stats = ntconv_op.ntconv_fwd(*args, **extra)
+        grads = ntconv_op.ntconv_bwd(case.grad_out.to(DEVICE, out.dtype), out, lse, stats, *args,
+                                     [True, True, True], **extra)
+        return [out, *grads]
+
+    host, device, other = run(2 ** 40 + 7, False), run(2 ** 40 + 7, True), run(11, True)
+    for name, a, b in zip(["out", *GRAD_NAMES], host, device):
+        assert torch.equal(a, b), name
+    assert not torch.equal(host[0], other[0])

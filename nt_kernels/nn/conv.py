@@ -39,7 +39,7 @@ ATTENTIONS = ("switch", "softmax", "performer")
 BACKENDS = ("kernels", "reference")
 # The attention backend's former name, still accepted: "fused" meant nt_kernels' attention ops.
 _BACKEND_ALIASES = {"fused": "kernels"}
-_SEED_HIGH = 2 ** 62  # dropout seeds are drawn from [0, 2**62) with the global CPU generator
+_SEED_HIGH = 2 ** 62  # dropout seeds are drawn from [0, 2**62) (the global CPU generator; on the device in a capture)
 
 # What fused=None runs, per device type: True where the fused op measured faster per training step than
 # the composition (docs/nn.md, "Fused layer"; `bench --layer`, docs/results.md).  CPU: fused 3.50x faster
@@ -77,15 +77,16 @@ def _check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _check_not_capturing_dropout(dropout: float, device: torch.device) -> None:
-    """The fused op's dropout seed is drawn on the host (``_SEED_HIGH``): inside a CUDA graph capture it would
-    be recorded once and every replay would drop the same channels, so capturing with dropout is an error."""
-    # (Under torch.compile the check is skipped: Inductor runs no CUDA graph over a graph with CPU ops.)
-    if (dropout > 0 and device.type == "cuda" and not torch.compiler.is_compiling()
-            and torch.cuda.is_current_stream_capturing()):
-        raise RuntimeError(f"NTConv: dropout={dropout} with the fused op cannot be captured in a CUDA graph (its "
-                           "seed is drawn on the host, so every replay would reuse one dropout mask); capture with "
-                           "dropout=0 or in eval mode, or use fused=False (F.dropout draws its mask on the device)")
+def _draw_seed(dropout: float, device: torch.device) -> torch.Tensor | None:
+    """The fused op's dropout seed for one call: drawn from the global CPU generator (so ``torch.manual_seed``
+    reproduces a run), or, inside a CUDA graph capture, from ``device``'s generator (a host value would be
+    recorded once and every replay would reuse one mask; a device draw is replayed afresh)."""
+    if dropout <= 0:
+        return None
+    # (Under torch.compile the host draw stays: Inductor runs no CUDA graph over a graph with CPU ops.)
+    if device.type == "cuda" and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
+        return torch.randint(_SEED_HIGH, (), dtype=torch.int64, device=device)
+    return torch.randint(_SEED_HIGH, (), dtype=torch.int64)
 
 
 def _check_dropout(name: str, value) -> None:
@@ -165,8 +166,9 @@ class NTConv(nn.Module):
             Linear, GELU, dropout, attention op and aggregation: the comparison point).
             Settable later as ``conv.fused``.
             The fused op draws its dropout mask from a counter generator seeded from
-            the global CPU generator, the composition uses ``F.dropout``: the two give
-            different masks for the same global seed, each reproducible.
+            the global CPU generator (inside a CUDA graph capture, from the device's, so
+            that each replay draws a new mask), the composition uses ``F.dropout``: the
+            two give different masks for the same global seed, each reproducible.
     """
 
     def __init__(self, in_channels: int, out_channels: int, heads: int = 1, edge_dim: int | None = None,
@@ -296,8 +298,7 @@ class NTConv(nn.Module):
     def _forward_fused(self, x: torch.Tensor, csr: NeighbourhoodCSR, edge_attr) -> torch.Tensor:
         """Steps 1-4 of DESIGN §6 as one fused op from the two node terms (docs/design.md §9)."""
         dropout = self.dropout if self.training else 0.0
-        _check_not_capturing_dropout(dropout, x.device)
-        seed = torch.randint(_SEED_HIGH, (), dtype=torch.int64) if dropout > 0 else None
+        seed = _draw_seed(dropout, x.device)
         threshold = None if self.attention == "softmax" else self.threshold
         return ntconv(self.lin_centre(x), self.lin_receiver(x), csr, self.lin_qkv.weight, self.lin_qkv.bias,
                       self.lin_out.weight, self.lin_out.bias, heads=self.heads, aggr=self.aggr,

@@ -178,8 +178,9 @@ def _threshold(projection, threshold, head_dim) -> float:
     return float(switch_threshold(projection.shape[0], head_dim) if threshold is None else threshold)
 
 
-def _seed_tensor(dropout, seed) -> torch.Tensor:
-    """The int64 scalar CPU seed tensor the kernel reads (0 when there is no dropout)."""
+def _seed_tensor(dropout, seed, device: torch.device) -> torch.Tensor:
+    """The int64 scalar seed tensor the kernel reads (0 when there is no dropout): on the CPU, or on the op's
+    ``device`` (a seed drawn there, e.g. inside a CUDA graph capture: the kernels read it on the device)."""
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"ntconv: dropout must be a number in [0, 1), got {dropout!r}")
     if dropout > 0 and seed is None:
@@ -187,9 +188,11 @@ def _seed_tensor(dropout, seed) -> torch.Tensor:
     if seed is None:
         return torch.zeros((), dtype=torch.int64)
     if isinstance(seed, torch.Tensor):
-        if seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64) or seed.device.type != "cpu":
-            raise ValueError(f"ntconv: seed must be an int or a one-element int64 CPU tensor, got a "
-                             f"{seed.dtype} tensor of shape {tuple(seed.shape)} on {seed.device}")
+        if (seed.numel() != 1 or seed.dtype not in (torch.int32, torch.int64)
+                or seed.device not in (torch.device("cpu"), device)):
+            raise ValueError(f"ntconv: seed must be an int or a one-element int64 tensor on the CPU or on centre's "
+                             f"device ({device}), got a {seed.dtype} tensor of shape {tuple(seed.shape)} on "
+                             f"{seed.device}")
         return seed.reshape(()).to(torch.int64)
     if isinstance(seed, bool) or not isinstance(seed, int) or not -2 ** 63 <= seed < 2 ** 64:
         raise ValueError(f"ntconv: seed must be an int in [-2**63, 2**64) or an int64 tensor, got {seed!r}")
@@ -217,7 +220,9 @@ def ntconv(centre, receiver_term, csr, w_qkv, b_qkv, w_out, b_out, *, heads, agg
     ``nn.Linear`` layouts; the output has the weights' dtype.  ``projection`` (m, D) enables the Performer path (``threshold``
     defaults to the paper's n*); without it every neighbourhood is exact.  ``dropout`` = p
     draws its mask from the counter generator of ``nt_reference.dropout`` keyed by (``seed``,
-    packed row, channel); ``seed`` (int or int64 scalar CPU tensor) is required when p > 0.
+    packed row, channel); ``seed`` (int, or int64 scalar tensor on the CPU or on centre's device, where the
+    kernels read it without a host sync: what ``NTConv`` passes inside a CUDA graph capture) is required
+    when p > 0.
     ``scale`` defaults to D^-1/2; ``eps`` is the Performer stabiliser; ``num_nodes`` (default N)
     is the number of output rows.  The kernel accumulates in float32 (float64 for float64
     inputs).  Under ``torch.autocast`` the weights, biases and projection are cast to the autocast
@@ -237,7 +242,7 @@ def ntconv(centre, receiver_term, csr, w_qkv, b_qkv, w_out, b_out, *, heads, agg
     if projection is not None:
         _check_projection(projection, centre, head_dim, autocast)
     threshold = _threshold(projection, threshold, head_dim)
-    seed = _seed_tensor(dropout, seed)
+    seed = _seed_tensor(dropout, seed, centre.device)
     scale = head_dim ** -0.5 if scale is None else float(scale)
     rcsr = receiver_csr(csr, num_out)
     exact, performer = csr.segment_split(threshold)

@@ -17,7 +17,7 @@ import torch
 from nt_kernels.backends.triton.common import bf16_emulation, dot_precision
 from nt_kernels.backends.triton.ntconv_plan import Plan, build_ntconv_plan, default_chunk_rows, read_plan
 from nt_kernels.backends.triton.plan import max_packed_tile, shared_memory_per_block
-from nt_reference.dropout import drop_threshold, seed_key
+from nt_reference.dropout import MASK32, drop_threshold, mix32, seed_key
 
 __all__ = ["AGGREGATORS", "ARG_NAMES", "GATE_GROUPS", "MAX_HEAD_DIM", "Problem", "problem", "signed_word"]
 
@@ -54,6 +54,7 @@ class Problem:
     gate_group: str
     dropout: float
     seed_word: int
+    seed_cell: torch.Tensor | None  # the seed word in an int64 device cell, for a seed drawn on the device
     drop_threshold: int
     drop_scale: float
     scale: float
@@ -63,6 +64,11 @@ class Problem:
     @property
     def device(self) -> torch.device:
         return self.centre.device
+
+    @property
+    def seed_on_device(self) -> bool:
+        """Whether the kernels read the seed word from ``seed_cell`` (SEED_ON_DEVICE) rather than ``seed_word``."""
+        return self.seed_cell is not None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -169,19 +175,35 @@ def signed_word(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def _options(op, a):
+def device_seed_cell(seed: torch.Tensor) -> torch.Tensor:
+    """The seed word of an int64 seed tensor, computed where the seed is (``seed_key``'s integer steps as tensor
+    ops, no host read) and held as its signed int32 value in a one-element int64 tensor: what the kernels load
+    with SEED_ON_DEVICE."""
+    s = seed.reshape(1)
+    word = mix32(mix32(s & MASK32) ^ ((s >> 32) & MASK32))  # seed_key, on the seed's 64 bits
+    return torch.where(word >= 1 << 31, word - (1 << 32), word)
+
+
+def _options(op, a, device):
     if a["gate_group"] not in GATE_GROUPS:
         raise ValueError(f"{op}: gate_group must be one of {GATE_GROUPS}, got {a['gate_group']!r}")
     p = float(a["dropout"])
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{op}: dropout must be in [0, 1), got {p}")
     seed = a["seed"]
-    if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64 or seed.is_cuda:
-        raise ValueError(f"{op}: seed must be a one-element int64 tensor on the CPU")
+    if (not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.dtype != torch.int64
+            or seed.device not in (torch.device("cpu"), device)):
+        raise ValueError(f"{op}: seed must be a one-element int64 tensor on the CPU or on centre's device "
+                         f"({device})")
     scale, eps = float(a["scale"]), float(a["eps"])
     if not math.isfinite(scale) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{op}: scale must be finite and eps finite and >= 0, got {scale}, {eps}")
-    return dict(aggr=a["aggr"], gate_group=a["gate_group"], dropout=p, seed_word=signed_word(seed_key(int(seed))),
+    # A seed on the device (drawn there inside a CUDA graph capture) is read by the kernels from a device cell; a
+    # CPU seed is a scalar argument.  Tests force the cell with a CPU seed (``device_seed``) under the interpreter.
+    on_device = p > 0 and (seed.device != torch.device("cpu") or a.get("device_seed", False))
+    cell = device_seed_cell(seed.to(device)) if on_device else None
+    word = 0 if on_device else signed_word(seed_key(int(seed)))
+    return dict(aggr=a["aggr"], gate_group=a["gate_group"], dropout=p, seed_word=word, seed_cell=cell,
                 drop_threshold=drop_threshold(p), drop_scale=1.0 / (1.0 - p), scale=scale, eps=eps)
 
 
@@ -218,7 +240,7 @@ def problem(op: str, a: dict) -> Problem:
             raise ValueError(f"{op}: projection must be (m >= 1, D = {head_dim}), got {tuple(projection.shape)}")
     elif performer.numel():
         raise ValueError(f"{op}: performer_segments is not empty but no projection was given")
-    p = Problem(**terms, **graph, projection=projection, heads=a["heads"], **_options(op, a))
+    p = Problem(**terms, **graph, projection=projection, heads=a["heads"], **_options(op, a, dev))
     p.plan = _plan(op, p, a, exact, performer)
     return p
 

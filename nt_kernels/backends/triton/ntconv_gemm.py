@@ -88,6 +88,16 @@ def mix32(x):
 
 
 @triton.jit
+def call_seed(seed_word, seed_ptr, SEED_ON_DEVICE: tl.constexpr):
+    """The call's seed word: the scalar argument, or the int64 cell at ``seed_ptr`` holding it (a seed drawn on
+    the device, inside a CUDA graph capture, where a scalar argument would be frozen at its captured value)."""
+    word = seed_word
+    if SEED_ON_DEVICE:
+        word = tl.load(seed_ptr).to(tl.int32)
+    return word
+
+
+@triton.jit
 def dropout_keep(rows, ch, seed_word, threshold):
     """Keep mask of the counter dropout for global packed rows (int64) x channels."""
     lo = (rows & 0xFFFFFFFF).to(tl.uint32)
@@ -129,10 +139,11 @@ def messages_in(centre, recv_term, edge_attr, w_edge, receiver, perm, seg_of_row
 
 @triton.jit(do_not_specialize=["row0", "R", "PART", "seed_word", "threshold"])
 def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receiver, perm, seg_of_row,
-                     qkv, z_out, jac_out, row0, R, PART, seed_word, threshold, drop_scale, C: tl.constexpr,
-                     F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
-                     STORE_Z: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+                     qkv, z_out, jac_out, row0, R, PART, seed_word, seed_ptr, threshold, drop_scale,
+                     C: tl.constexpr, F: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
+                     SEED_ON_DEVICE: tl.constexpr, STORE_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+                     BF16_EMU: tl.constexpr):
     # Step 1: the tile's BLOCK_R consecutive packed rows and all C channels (q, k, v: PART rows apart).
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     valid = r < R
@@ -146,7 +157,8 @@ def _prologue_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, b_qkv, receive
     # Step 3: z = GELU(u) times the dropout multiplier of (seed, row, channel), rounded to the weights' type.
     scale = tl.full([BLOCK_R, BLOCK_C], 1.0, tl.float32)
     if DROPOUT:
-        scale = tl.where(dropout_keep(grow, ch, seed_word, threshold), drop_scale, 0.0)
+        seed = call_seed(seed_word, seed_ptr, SEED_ON_DEVICE)
+        scale = tl.where(dropout_keep(grow, ch, seed, threshold), drop_scale, 0.0)
     z = cast(gelu(u) * scale, w_qkv.dtype.element_ty, BF16_EMU)
     if STORE_Z:  # the backward's run: z (for the w_qkv gradient) and dz/du, both in the parameters' type
         offs = r[:, None].to(tl.int64) * C + ch[None, :]
@@ -293,9 +305,9 @@ def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
     _prologue_kernel[(triton.cdiv(rows, t.block_r),)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre,
         p.w_qkv, p.b_qkv, p.receiver, p.perm, seg_of_row, qkv, z_out if store else qkv, jac_out if store else qkv,
-        chunk.row0, rows, qkv.shape[1], p.seed_word, p.drop_threshold, p.drop_scale, C=c, F=p.edge_dim,
-        BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
-        DROPOUT=p.dropout > 0, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
+        chunk.row0, rows, qkv.shape[1], p.seed_word, p.seed_cell, p.drop_threshold, p.drop_scale, C=c,
+        F=p.edge_dim, BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
+        DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
         num_stages=t.num_stages)
 
 

@@ -28,8 +28,9 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import cast
-from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, DU_ROWS, block_n, centre_fixup, dropout_keep,
-                                                    fused_centre, gelu, gelu_grad, messages_in, tile_segment_sums)
+from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, DU_ROWS, block_n, call_seed, centre_fixup,
+                                                    dropout_keep, fused_centre, gelu, gelu_grad, messages_in,
+                                                    tile_segment_sums)
 from nt_kernels.backends.triton.ntconv_tiles import prologue_tiles, split_k_rows
 from nt_kernels.backends.triton.ntconv_wgrad import combine, split_products, store_partial
 
@@ -50,11 +51,11 @@ def input_split_ok(channels: int, operand_bytes: int, arch: int) -> bool:
 @triton.jit(do_not_specialize=["row0", "R", "PART", "seg0", "seed_word", "threshold"],
             do_not_specialize_on_alignment=["d_centre"])
 def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiver, perm, seg_of_row, rowptr, dqkv,
-                             du, d_centre, scratch, partials, row0, R, PART, seg0, seed_word, threshold, drop_scale,
-                             C: tl.constexpr, F: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr,
-                             DROPOUT: tl.constexpr, CENTRE: tl.constexpr, DOT_PREC: tl.constexpr,
-                             BF16_EMU: tl.constexpr):
+                             du, d_centre, scratch, partials, row0, R, PART, seg0, seed_word, seed_ptr, threshold,
+                             drop_scale, C: tl.constexpr, F: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
+                             HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr, SEED_ON_DEVICE: tl.constexpr,
+                             CENTRE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     # Step 0: the three (C x C) blocks of w_qkv, loaded once; fp32 sums of dW_qkv and db_qkv per part.
     s = tl.program_id(0)
     ch = tl.arange(0, BLOCK_C)
@@ -69,6 +70,7 @@ def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiv
     bias_q = tl.zeros([BLOCK_C], tl.float32)
     bias_k = tl.zeros([BLOCK_C], tl.float32)
     bias_v = tl.zeros([BLOCK_C], tl.float32)
+    seed = call_seed(seed_word, seed_ptr, SEED_ON_DEVICE)
     first = s * SPLIT_ROWS
     for r0 in range(first, tl.minimum(first + SPLIT_ROWS, R), BLOCK_R):
         # Step 1: u, z and dz/du of the tile's rows, as the prologue computes them.
@@ -80,7 +82,7 @@ def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiv
                         ch_valid, C, F, BLOCK_R, BLOCK_C, BLOCK_F, HAS_EDGE, DOT_PREC, BF16_EMU)
         scale = tl.full([BLOCK_R, BLOCK_C], 1.0, tl.float32)
         if DROPOUT:
-            scale = tl.where(dropout_keep(grow, ch, seed_word, threshold), drop_scale, 0.0)
+            scale = tl.where(dropout_keep(grow, ch, seed, threshold), drop_scale, 0.0)
         z = cast(tl.where(mask, gelu(u) * scale, 0.0), w_q.dtype, BF16_EMU)
         # Step 2-3: dq, dk, dv of the rows; du = (dqkv · w_qkv) · dz/du and the weight sums, part by part.
         offs = r[:, None].to(tl.int64) * C + ch[None, :]
@@ -126,9 +128,9 @@ def input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, w_acc, b_acc) -> 
     _input_grad_split_kernel[(splits,)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre, p.w_qkv,
         p.receiver, p.perm, seg_of_row, chunk.rowptr, dqkv, du, d_centre if centre else du, scratch, partials,
-        chunk.row0, rows, dqkv.shape[1], chunk.seg0, p.seed_word, p.drop_threshold, p.drop_scale, C=c,
-        F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_F=t.block_f,
-        HAS_EDGE=edge, DROPOUT=p.dropout > 0, CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu,
+        chunk.row0, rows, dqkv.shape[1], chunk.seg0, p.seed_word, p.seed_cell, p.drop_threshold, p.drop_scale,
+        C=c, F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS),
+        BLOCK_F=t.block_f, HAS_EDGE=edge, DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu,
         num_warps=INPUT_WARPS)
     if centre:
         centre_fixup(scratch, d_centre, chunk, c)

@@ -204,10 +204,11 @@ def _finish(p: Problem, state: State, mode: int):
 
 def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out, rowptr, receiver, perm,
                recv_rowptr, recv_perm, exact_segments, performer_segments, exact_plan, projection, seed, heads,
-               aggr, gate_group, dropout, scale, eps, *, chunk_rows=None):
+               aggr, gate_group, dropout, scale, eps, *, chunk_rows=None, device_seed=False):
     """Triton implementation of ``nt_kernels::ntconv_fwd`` -> (out, lse, stats).
 
-    ``chunk_rows`` (tests only) overrides the chunk size of a plan built here.
+    ``chunk_rows`` (tests only) overrides the chunk size of a plan built here; ``device_seed`` (tests only)
+    makes the kernels read a CPU seed's word from a device cell, as they do for a seed on the device.
     """
     p = problem("ntconv_fwd", locals())
     lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
@@ -365,8 +366,10 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads, paths: tuple[bool
 
 def ntconv_bwd(grad_out, out, lse, stats, centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out,
                rowptr, receiver, perm, recv_rowptr, recv_perm, exact_segments, performer_segments, exact_plan,
-               projection, seed, heads, aggr, gate_group, dropout, scale, eps, input_mask, *, chunk_rows=None):
-    """Triton implementation of ``nt_kernels::ntconv_bwd`` -> the eight gradients of docs/design.md §9."""
+               projection, seed, heads, aggr, gate_group, dropout, scale, eps, input_mask, *, chunk_rows=None,
+               device_seed=False):
+    """Triton implementation of ``nt_kernels::ntconv_bwd`` -> the eight gradients of docs/design.md §9
+    (``chunk_rows``, ``device_seed``: as for ntconv_fwd)."""
     p = problem("ntconv_bwd", locals())
     saved = Saved(grad_out.to(p.dtype).contiguous(), out.contiguous(), stats.contiguous())
     g = Grads(p, input_mask)

@@ -50,7 +50,7 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
     """The prologue and the weight-gradient kernels at the tiles the plan picks for LAYER_SHAPES."""
     prologue = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, b_qkv=t, receiver="*i64", perm="*i64",
                     seg_of_row="*i64", qkv=t, z_out=t, jac_out=t, row0="i32", R="i32", PART="i32", seed_word="i32",
-                    threshold="i32", drop_scale="fp32")
+                    seed_ptr="*i64", threshold="i32", drop_scale="fp32")
     wgrad = dict(a=t, b=t, index="*i64", partials="*fp32", R="i32", row0="i32")
     dot = dict(base, DOT_DTYPE=ntconv_wgrad.TL_DTYPES[getattr(torch, TORCH_TYPES[dtype])])
     specs = []
@@ -58,7 +58,7 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
         tiles = prologue_tiles(c, f, 4 if dtype == "fp32" else 2)
         specs += [Spec(f"prologue{'_bwd' if store else ''} C{c} F{f}", ntconv_gemm._prologue_kernel, prologue,
                        dict(base, C=c, F=f, BLOCK_R=tiles.block_r, BLOCK_C=tiles.block_c, BLOCK_N=tiles.block_n,
-                            BLOCK_F=tiles.block_f, HAS_EDGE=f > 0, DROPOUT=True, STORE_Z=store),
+                            BLOCK_F=tiles.block_f, HAS_EDGE=f > 0, DROPOUT=True, SEED_ON_DEVICE=False, STORE_Z=store),
                        dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
                   for store in (False, True)]
         # (name, parts, rows of a part, N, bias, gather): A = dqkv, B = z; A = dy, B = o; A = du, B = edge_attr[perm]
@@ -76,12 +76,13 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
         igrad = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, receiver="*i64", perm="*i64",
                      seg_of_row="*i64", rowptr="*i64", dqkv=t, du=t, d_centre="*fp32", scratch="*fp32",
                      partials="*fp32", row0="i32", R="i32", PART="i32", seg0="i32", seed_word="i32",
-                     threshold="i32", drop_scale="fp32")
+                     seed_ptr="*i64", threshold="i32", drop_scale="fp32")
         specs += [Spec(f"input_grad_split{' + d_centre' if centre else ''} C{c} F{f}",
                        ntconv_igrad._input_grad_split_kernel, igrad,
                        dict(base, C=c, F=f, SPLIT_ROWS=ntconv_plan.split_k_rows(1 << 20),
                             BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS),
-                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, CENTRE=centre),
+                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, SEED_ON_DEVICE=False,
+                            CENTRE=centre),
                        dict(num_warps=ntconv_igrad.INPUT_WARPS, num_stages=1), ntconv_igrad.INPUT_MIN_ARCH)
                   for c, f, _ in LAYER_SHAPES if ntconv_igrad.input_split_ok(c, 2, ntconv_igrad.INPUT_MIN_ARCH)
                   for centre in (False, True)]
