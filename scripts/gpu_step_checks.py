@@ -26,6 +26,7 @@ import argparse
 import collections
 import copy
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -72,30 +73,38 @@ def step(model, optimizer, graph, csr):
     return _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast=True)
 
 
-def compiles(args, device) -> dict:
-    graph, csr, model = setup(args, device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    for _ in range(args.warmup):
-        step(model, optimizer, graph, csr)
+class WarmStep:
+    """The preset's fused model after ``--warmup`` training steps; calling it runs one more.  One is shared by
+    the compile and the sync checks (built on first use)."""
+
+    def __init__(self, args, device):
+        self.graph, self.csr, self.model = setup(args, device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LEARNING_RATE)
+        for _ in range(args.warmup):
+            self()
+
+    def __call__(self):
+        return step(self.model, self.optimizer, self.graph, self.csr)
+
+
+def compiles(args, device, warm) -> dict:
+    run = warm()
     counter = CompileCounter()
     for _ in range(args.steps):
-        step(model, optimizer, graph, csr)
+        run()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"steps": args.steps, "compiles": counter.count, "kernels": sorted(set(counter.kernels))}
 
 
-def syncs(args, device) -> dict:
-    graph, csr, model = setup(args, device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
-    for _ in range(args.warmup):
-        step(model, optimizer, graph, csr)
+def syncs(args, device, warm) -> dict:
+    run = warm()
     torch.cuda.synchronize(device)
     torch.cuda.set_sync_debug_mode("warn")  # every sync warns; the warning names the Python line that made it
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step(model, optimizer, graph, csr)
+            run()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize(device)
@@ -118,7 +127,7 @@ def capture(fn, warm, device):
     return g, out
 
 
-def cuda_graph(args, device) -> dict:
+def cuda_graph(args, device, warm) -> dict:  # its own models: one without dropout, one with
     result = {}
     # 1. The whole step without dropout: replays against the same steps run eagerly on a twin model.
     graph, csr, eager = setup(args, device, dropout=0.0)
@@ -179,9 +188,10 @@ def main(argv=None) -> int:
     doc = {"graph": args.graph, "device": str(device), "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     checks = [("compiles", compiles)] + ([("syncs", syncs), ("cuda_graph", cuda_graph)] if device.type == "cuda" else [])
+    warm = functools.cache(lambda: WarmStep(args, device))
     for name, fn in checks:
         try:
-            doc[name] = fn(args, device)
+            doc[name] = fn(args, device, warm)
         except Exception as exc:  # noqa: BLE001  (recorded; the next check still runs)
             doc[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
         print(f"{name}: {json.dumps(doc[name])[:700]}", flush=True)

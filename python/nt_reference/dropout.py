@@ -38,10 +38,11 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def seed_key(seed: int) -> int:
-    """The per-call word s of a 64-bit seed."""
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return mix32(mix32(seed & MASK32) ^ (seed >> 32))
+def seed_key(seed):
+    """The per-call word s of a 64-bit seed: an int, or an int64 tensor (computed where it is, element-wise)."""
+    if not isinstance(seed, torch.Tensor):
+        seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return mix32(mix32(seed & MASK32) ^ ((seed >> 32) & MASK32))
 
 
 def row_keys(seed: int, rows: torch.Tensor) -> torch.Tensor:

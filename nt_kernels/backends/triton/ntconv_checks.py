@@ -17,7 +17,7 @@ import torch
 from nt_kernels.backends.triton.common import bf16_emulation, dot_precision
 from nt_kernels.backends.triton.ntconv_plan import Plan, build_ntconv_plan, default_chunk_rows, read_plan
 from nt_kernels.backends.triton.plan import max_packed_tile, shared_memory_per_block
-from nt_reference.dropout import MASK32, drop_threshold, mix32, seed_key
+from nt_reference.dropout import drop_threshold, seed_key
 
 __all__ = ["AGGREGATORS", "ARG_NAMES", "GATE_GROUPS", "MAX_HEAD_DIM", "Problem", "problem", "signed_word"]
 
@@ -179,8 +179,7 @@ def device_seed_cell(seed: torch.Tensor) -> torch.Tensor:
     """The seed word of an int64 seed tensor, computed where the seed is (``seed_key``'s integer steps as tensor
     ops, no host read) and held as its signed int32 value in a one-element int64 tensor: what the kernels load
     with SEED_ON_DEVICE."""
-    s = seed.reshape(1)
-    word = mix32(mix32(s & MASK32) ^ ((s >> 32) & MASK32))  # seed_key, on the seed's 64 bits
+    word = seed_key(seed.reshape(1))
     return torch.where(word >= 1 << 31, word - (1 << 32), word)
 
 
