@@ -176,8 +176,8 @@ def signed_word(word: int) -> int:
 
 
 def device_seed_cell(seed: torch.Tensor) -> torch.Tensor:
-    """The seed word of an int64 seed tensor, computed where the seed is (``seed_key``'s integer steps as tensor
-    ops, no host read) and held as its signed int32 value in a one-element int64 tensor: what the kernels load
+    """The seed word of an int64 seed tensor, computed where the seed is (``seed_key`` on the tensor, no host
+    read) and held as its signed int32 value in a one-element int64 tensor: what the kernels load
     with SEED_ON_DEVICE."""
     word = seed_key(seed.reshape(1))
     return torch.where(word >= 1 << 31, word - (1 << 32), word)
