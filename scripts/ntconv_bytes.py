@@ -5,24 +5,93 @@ packed rows (each value once; 32-byte sectors, L2 hits and the plan's small tabl
 tensor-core FLOPs of its products, and the time each implies at the H100 roofline: 3.0 TB/s copy bandwidth
 (docs/results.md, roofline run) and 989 TFLOP/s dense bf16.  Arithmetic, unverified on GPU.  The default
 shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
-gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features).
+gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features), its rows in the
+classes the attention kernels see (packed exact tiles, multi-tile exact segments, Performer segments: built in,
+or recounted from the graph with ``--graph``); each attention kernel is counted as written (:func:`attention`).
 
     python scripts/ntconv_bytes.py                  # the recompute path (NT_KERNELS_NTCONV_RECOMPUTE=1, sm_90)
     python scripts/ntconv_bytes.py --stored-y       # the default: y, dy, z, dz/du stored (and sm_80 / 89, fp32)
     python scripts/ntconv_bytes.py --before         # issue 19's code: fp32 intermediates, unfused do, d_centre
     python scripts/ntconv_bytes.py --floor          # the fewest bytes with recompute and these attention kernels
+    NT_KERNELS_DATA=../shared/data/heterophilous python scripts/ntconv_bytes.py --graph tolokers
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 BANDWIDTH = 3.0e12   # bytes/s, H100 copy (measured, docs/results.md)
 TENSOR_FLOPS = 989e12  # dense bf16, H100 SXM
+PERFORMER_CHUNK = 256  # rows per chunk of the CUDA Performer kernels (csrc/cuda/segment_performer_*.cuh)
 
 
-def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated,
+@dataclass(frozen=True)
+class Classes:
+    """Where one layer's rows go: packed exact tiles (segments of at most the tallest packed tile), multi-tile
+    exact segments, and the Performer segments (n > n*: their rows, count and 256-row chunks).  The defaults are
+    tolokers' (`--graph tolokers`: H = 2, D = 30, m = 102, n* = 218, bf16 packed tiles up to 64 rows)."""
+
+    packed: int = 160_670
+    multi: int = 298_992
+    performer: int = 578_338
+    performer_segments: int = 1_272
+    performer_chunks: int = 2_889
+
+    @property
+    def rows(self) -> int:
+        return self.packed + self.multi + self.performer
+
+
+def graph_classes(graph: str, dim: int, features: int) -> Classes:
+    """The row classes of a real graph (needs NT_KERNELS_DATA or ../shared/data/heterophilous)."""
+    import torch
+
+    from nt_kernels.backends.triton.plan import max_packed_tile
+    from nt_kernels.csr import NeighbourhoodCSR
+    from nt_kernels.data.datasets import load_dataset
+    from nt_kernels.performer import switch_threshold
+
+    data = load_dataset(graph, None)
+    sizes = torch.diff(NeighbourhoodCSR.from_edge_index(data.edge_index, data.num_nodes).rowptr)
+    big = sizes > switch_threshold(features, dim)
+    tall = sizes > max_packed_tile(torch.bfloat16, dim)
+    perf = sizes[big]
+    return Classes(int(sizes[~big & ~tall].sum()), int(sizes[~big & tall].sum()), int(perf.sum()),
+                   int(perf.numel()), int(((perf + PERFORMER_CHUNK - 1) // PERFORMER_CHUNK).sum()))
+
+
+def attention(cl: Classes, c: int, heads: int, s: int, features: int) -> dict[str, list[tuple[str, int]]]:
+    """Device bytes of the attention kernels per pass ("fwd", "bwd": the backward's attention backward; the
+    backward's forward again is "fwd" once more), each value once.  Exact kernels (softmax_fwd.py,
+    softmax_bwd.py): q, k, v read, o and lse written; the packed backward reads q, k, v, do and lse (delta from
+    P and dP, no o) and writes dq, dk, dv; the multi-tile backward also reads o and writes and reads delta.  The
+    CUDA Performer (docs/kernels-performer-cuda.md): the keys pass reads k, v and writes fp32 chunk partials
+    (m x (D + 1) and D + 2 per head and chunk) that its combine reads back into W per segment; the query pass
+    reads q and W, writes o; the backward runs the keys pass again, the query pass (q, do read, dq written, the
+    C partials written, combined and read) and the key-gradient pass (k, v and W, C read, dk, dv written).
+    W and C are read once per segment here (scripts/performer_tc_roofline.py counts them per chunk: L2 hits)."""
+    row, lse = c * s, 4 * heads
+    mat = features * (c // heads + 1) * 4 * heads  # W (or C) of one segment, fp32
+    part = cl.performer_chunks * (mat + heads * (c // heads + 2) * 4)
+    seg = cl.performer_segments * mat
+    x = cl.performer * row
+    keys = ("Performer keys pass + combine (k, v -> W)", 2 * x + 2 * part + seg)
+    return {
+        "fwd": [("exact, packed tiles: q, k, v -> o, lse", cl.packed * (4 * row + lse)),
+                ("exact, multi-tile segments: q, k, v -> o, lse", cl.multi * (4 * row + lse)),
+                keys, ("Performer query pass (q, W -> o)", 2 * x + seg)],
+        "bwd": [("exact, packed tiles: q, k, v, do, lse -> dq, dk, dv", cl.packed * (7 * row + lse)),
+                ("exact, multi-tile: q, k, v, o, do, lse -> delta, dq, dk, dv", cl.multi * (8 * row + 3 * lse)),
+                keys, ("Performer query gradients (q, do, W -> dq, C)", 3 * x + 2 * part + 2 * seg),
+                ("Performer key gradients (k, v, W, C -> dk, dv)", 4 * x + 2 * seg)],
+    }
+
+
+def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter_size, fused_do, gated, att,
             rows_in_plan=True, sm90=False):
-    """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``rows_in_plan``: the segment of
+    """[(pass, kernel, bytes, tensor-core FLOPs, owner note)] of one layer; ``att``: :func:`attention`'s
+    kernels (their tensor-core FLOPs are not listed: docs/kernels-performer-cuda.md has the Performer's,
+    the exact kernels' are small); ``rows_in_plan``: the segment of
     every row is read from the plan (issue 27), not computed per call (``segment_of_rows``, before);
     ``sm90``: the paths of sm_90 with 16-bit parameters: the forward's projection writes only what the
     reduction reads, the gates from the same tiles (``_project_kernel``), the backward's message gradient
@@ -36,14 +105,15 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     gathers = (2 * index + c * node_size) * r + edge  # what the prologue reads per row
     prologue = gathers + 3 * c * s * r + nodes * c * node_size
     prologue_flops = 2 * r * c * 3 * c + 2 * r * edge_dim * c
-    attention_fwd = (3 * c * s + c * s + 4 * heads) * r
+    att_fwd = [("fwd", f"attention: {name}", nbytes, 0, "") for name, nbytes in att["fwd"]]
+    att_again = [("bwd", f"attention again: {name}", nbytes, 0, "") for name, nbytes in att["fwd"]]
+    att_bwd = [("bwd", f"attention backward: {name}", nbytes, 0, "") for name, nbytes in att["bwd"]]
     values = c if gated else c_out  # the columns a receiver reduction reads
     gate = 4 * heads * r if gated else 0
     y_gemm = (c * s + c_out * i) * r
     splits = 512
     out = [] if rows_in_plan else [("fwd", "segment_of_rows (torch.searchsorted)", index * r, 0, "plan plumbing")]
-    out += [("fwd", "_prologue_kernel", prologue, prologue_flops, ""),
-            ("fwd", "attention forward (q, k, v -> o, lse)", attention_fwd, 0, "not this change")]
+    out += [("fwd", "_prologue_kernel", prologue, prologue_flops, "")] + att_fwd
     if sm90:  # o read; y written (gated: the value halves) with the gates
         out.append(("fwd", "_project_kernel: y (value halves) and gates from o", (c * s + values * i) * r + gate,
                     2 * r * c * c_out, ""))
@@ -56,21 +126,19 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     if not rows_in_plan:
         out.append(("bwd", "segment_of_rows", index * r, 0, "plan plumbing"))
     if sm90:
-        out += [("bwd", "_prologue_kernel", prologue, prologue_flops, ""),
-                ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
+        out += [("bwd", "_prologue_kernel", prologue, prologue_flops, "")] + att_again + [
                 # o, receiver and g = grad_out[receiver] read, do written, dW_out / db_out partials
                 ("bwd", "_message_grad_split_kernel: y from o, do, dW_out + combine",
-                 (c * s + index + c * s + c * s) * r + 2 * splits * c_out * (c + 1) * 4, 3 * 2 * r * c * c_out, ""),
-                ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
+                 (c * s + index + c * s + c * s) * r + 2 * splits * c_out * (c + 1) * 4, 3 * 2 * r * c * c_out, "")
+                ] + att_bwd + [
                 # the prologue's gathers again, dqkv read once, du written, d_centre, dW_qkv / db_qkv partials
                 ("bwd", "_input_grad_split_kernel: z, dz/du again, du, d_centre, dW_qkv + combine",
                  gathers + (3 * c * s + c * i) * r + 2 * nodes * c * 4 + 2 * splits * 3 * c * (c + 1) * 4,
                  2 * 2 * r * 3 * c * c + 2 * r * 32 * c + 2 * r * edge_dim * c, "")]
     else:
         grad_in = (c_out * i + index + c * s) * r  # y, receiver, g = grad_out[receiver]
-        out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, ""),
-                ("bwd", "attention forward again", attention_fwd, 0, "not this change"),
-                ("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
+        out += [("bwd", "_prologue_kernel (+ z, dz/du)", prologue + (c * s + c * i) * r, prologue_flops, "")]
+        out += att_again + [("bwd", "_rows_gemm_kernel: y", y_gemm, 2 * r * c * c_out, "")]
         if fused_do:
             out.append(("bwd", "_message_grad_kernel: dy, do = dy w_out", grad_in + (c_out * i + c * s) * r,
                         2 * r * c_out * c, ""))
@@ -78,8 +146,8 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
             out += [("bwd", "_message_grad_kernel: dy", grad_in + c_out * i * r, 0, ""),
                     ("bwd", "_rows_gemm_kernel: do = dy w_out", (c_out * i + c * s) * r, 2 * r * c_out * c, "")]
         out += [("bwd", "_weight_grad_kernel: w_out (dyᵀ o) + combine", (c_out * i + c * s) * r
-                 + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), ""),
-                ("bwd", "attention backward", (5 * c * s + 4 * heads + 3 * c * s) * r, 0, "not this change"),
+                 + 2 * splits * c_out * (c + 1) * 4, 2 * r * c_out * (c + 16), "")]
+        out += att_bwd + [
                 ("bwd", "_weight_grad_kernel: w_qkv (dqkvᵀ z) + combine", (3 * c * s + c * s) * r
                  + 2 * splits * 3 * c * (c + 1) * 4, 2 * r * 3 * c * (c + 16), "")]
         du = (3 * c * s + 2 * c * i + (index if fused_do else 0)) * r
@@ -98,29 +166,34 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     return out
 
 
-def floor(rows, c, c_out, heads, node_size, param_size):
+def floor(rows, c, heads, node_size, param_size, att):
     """The fewest bytes one layer can move while the backward recomputes q, k, v and o (this design) and
-    the attention kernels read and write what they do now: every kernel outside attention fused as far as
-    it can be (y, gates and the receiver reduction from o; the w_qkv gradient and du in one pass over dqkv,
-    z and dz/du recomputed from the gathered node terms), each per-row value once.  [(pass, stage, bytes)]"""
+    the attention kernels (``att``, :func:`attention`) read and write what they do now: every kernel outside
+    attention fused as far as it can be (y, gates and the receiver reduction from o; the w_qkv gradient and du
+    in one pass over dqkv, z and dz/du recomputed from the gathered node terms), each per-row value once.
+    [(pass, stage, bytes)]"""
     r, s, index = rows, param_size, 8
     gather = 2 * index + c * node_size            # receiver and segment ids, the receiver-term row
-    qkv, o, lse = 3 * c * s, c * s, 4 * heads
+    qkv, o = 3 * c * s, c * s
+    attention_fwd = sum(b for _, b in att["fwd"])
     return [("fwd", "prologue: gathers -> q, k, v", (gather + qkv) * r),
-            ("fwd", "attention forward: q, k, v -> o, lse", (qkv + o + lse) * r),
+            ("fwd", "attention forward (the kernels as they are)", attention_fwd),
             ("fwd", "y, gates and the receiver reduction from o", (o + index) * r),
             ("bwd", "prologue again: gathers -> q, k, v", (gather + qkv) * r),
-            ("bwd", "attention forward again: q, k, v -> o", (qkv + o + lse) * r),
+            ("bwd", "attention forward again", attention_fwd),
             ("bwd", "message gradient from o: o, g -> do, dW_out", (o + index + c * s + c * s) * r),
-            ("bwd", "attention backward: q, k, v, o, do, lse -> dq, dk, dv", (qkv + 2 * o + lse + qkv) * r),
+            ("bwd", "attention backward (the kernels as they are)", sum(b for _, b in att["bwd"])),
             ("bwd", "w_qkv gradient and du: dqkv, gathers -> du, dW_qkv, d_centre", (qkv + gather + c * s) * r),
             ("bwd", "d_receiver_term: du", (c * s + 4) * r)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=1_038_000)
+    parser.add_argument("--graph", default=None,
+                        help="take the row classes (packed exact tiles, multi-tile exact, Performer), the rows and "
+                             "the nodes from this graph (needs its npz; default: tolokers' numbers, built in)")
     parser.add_argument("--nodes", type=int, default=11_758)
+    parser.add_argument("--features", type=int, default=102, help="Performer features m")
     parser.add_argument("--channels", type=int, default=60)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--aggr-gated", dest="gated", action=argparse.BooleanOptionalAction, default=True,
@@ -136,15 +209,22 @@ def main() -> None:
                         help="the fewest bytes this design allows with the attention kernels as they are")
     args = parser.parse_args()
     c = args.channels
+    classes, nodes = Classes(), args.nodes
+    if args.graph:
+        classes = graph_classes(args.graph, c // args.heads, args.features)
+        from nt_kernels.data.datasets import load_dataset
+        nodes = load_dataset(args.graph, None).num_nodes
+    att = attention(classes, c, args.heads, 2, args.features)
+    rows_total = classes.rows
     if args.floor:
-        stages = floor(args.rows, c, 2 * c if args.gated else c, args.heads, args.node_bytes, 2)
+        stages = floor(rows_total, c, args.heads, args.node_bytes, 2, att)
         print("| pass | stage | bytes |\n|---|---|---:|")
         for phase, name, nbytes in stages:
             print(f"| {phase} | {name} | {nbytes / 1e6:,.0f} MB |")
         print(f"| | **total** | **{sum(b for _, _, b in stages) / 1e9:.2f} GB** |")
         return
-    rows = kernels(args.rows, args.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
-                   2, 4 if args.before else 2, not args.before, args.gated, rows_in_plan=not args.before,
+    rows = kernels(rows_total, nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
+                   2, 4 if args.before else 2, not args.before, args.gated, att, rows_in_plan=not args.before,
                    sm90=not (args.before or args.stored_y))
     print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | |")
     print("|---|---|---:|---:|---:|---|")

@@ -5,7 +5,8 @@ CUDA), a CPU dry run of scripts/gpu_check.sh and scripts/gpu_perf.sh (every
 stage's commands on small CPU inputs, so that no shell or Python error waits
 for a GPU), and the Triton cache tooling of scripts/gpu_triton.py: kernels
 compiled ahead for sm_90 without a GPU are cache hits for the real launches,
-also after the cache is packed and unpacked elsewhere."""
+also after the cache is packed and unpacked elsewhere; the fused layer's byte model
+(scripts/ntconv_bytes.py) against the row classes of tolokers and the figures the docs quote."""
 import json
 import os
 import re
@@ -210,3 +211,31 @@ def test_fingerprint_and_compare(tmp_path):
     other.write_text(json.dumps(dict(doc, triton_key="0" * 16)))
     result = run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--compare", str(other)])
     assert result.returncode == 3 and "triton_key" in result.stdout
+
+
+def _bytes_model():
+    """scripts/ntconv_bytes.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ntconv_bytes", ROOT / "scripts" / "ntconv_bytes.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bytes_model_counts_tolokers_and_docs_quote_it():
+    """The byte model's built-in row classes are tolokers' (packed / multi-tile exact, Performer), and the
+    totals docs/kernels-ntconv-cuda.md quotes for issue 19's code, the stored path and the sm_90 path are the
+    model's (so the page cannot keep a figure the script no longer gives)."""
+    m = _bytes_model()
+    assert m.graph_classes("tolokers", 30, 102) == m.Classes()
+    att = m.attention(m.Classes(), 60, 2, 2, 102)
+    totals = []
+    for before, stored in ((True, False), (False, True), (False, False)):
+        rows = m.kernels(m.Classes().rows, 11_758, 60, 120, 2, 0, 2, 2, 4 if before else 2, not before, True, att,
+                         rows_in_plan=not before, sm90=not (before or stored))
+        totals.append(f"**{sum(r[2] for r in rows) / 1e9:.2f} GB**")
+    page = (ROOT / "docs" / "kernels-ntconv-cuda.md").read_text()
+    assert f"| | **total** | {' | '.join(totals)} |" in page
+    floor = sum(b for _, _, b in m.floor(m.Classes().rows, 60, 2, 2, 2, att))
+    assert f"**{floor / 1e9:.2f} GB**" in page
