@@ -444,6 +444,27 @@ def test_opcheck_backward(aggr, gate_group, edge_attr, dropout):
                           (grad_out, out, lse, stats, *args, [True, True, edge_attr]))
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fake_lse_follows_the_device(device):
+    """The fake kernel's lse is what each device's kernel returns: (E, H) on CPU, whose backward reads it;
+    empty (0, H) on CUDA, whose backward recomputes it (the Triton kernel's shape: test_ntconv_triton.py,
+    test_saved_state_shapes).  Fake CUDA tensors need no GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    edge_index, n = mixed_graph()
+    inp = Inputs(n, edge_index.shape[1], "weighted_mean", edge_attr=False)
+    csr = NeighbourhoodCSR.from_edge_index(edge_index, n)
+    args = raw_args(inp, csr, aggr="weighted_mean", seed=4)
+    with FakeTensorMode():
+        fake = [torch.empty(a.shape, dtype=a.dtype, device=device) if isinstance(a, torch.Tensor) else a
+                for a in args]
+        fake[17] = torch.empty((), dtype=torch.int64)  # the seed stays a CPU tensor
+        out, lse, stats = torch.ops.nt_kernels.ntconv_fwd(*fake)
+    assert out.device.type == lse.device.type == device
+    assert tuple(lse.shape) == ((csr.num_edges if device == "cpu" else 0), inp.heads)
+    assert lse.dtype == torch.float32 and tuple(stats.shape) == (n, inp.heads)
+
+
 @pytest.mark.parametrize("dropout", [pytest.param(0.0, id="no-dropout"), pytest.param(P_DROP, id="dropout")])
 def test_torch_compile_fullgraph(dropout):
     edge_index, n = mixed_graph()

@@ -510,11 +510,12 @@ def test_input_mask_skips_input_gradients():
 
 
 def test_saved_state_shapes():
+    """out and stats as on CPU; lse empty: the backward (which the gradient tests run on it) recomputes it."""
     case = Case(*make_graph(), "weighted_mean")
     kw = dict(gate_group="receiver", threshold=THRESHOLD, dropout=0.0, seed=0)
     out, lse, stats, _ = run_triton(case, aggr="weighted_mean", **kw)
-    n, e = case.csr.num_nodes, case.csr.num_edges
-    assert out.shape == (n, HEADS * DIM) and lse.shape == (e, HEADS) and stats.shape == (n, HEADS)
+    n = case.csr.num_nodes
+    assert out.shape == (n, HEADS * DIM) and lse.shape == (0, HEADS) and stats.shape == (n, HEADS)
     assert lse.dtype == stats.dtype == torch.float32
     receives = (torch.diff(case.rcsr.rowptr) > 0).to(stats.device)
     assert torch.isfinite(stats[receives]).all() and not stats[~receives].any()  # empty receivers: 0
@@ -745,19 +746,16 @@ def test_registered_as_the_cuda_kernel_of_the_op():
 
 
 def assert_matches_cpu_op(case, triton_result, **kw):
-    """The CPU C++ op on the same float32 inputs and seed: output, saved state (the exact rows' lse,
-    the per-receiver statistics) and every gradient of ``triton_result`` (run_triton's) agree."""
+    """The CPU C++ op on the same float32 inputs and seed: output, saved state (the per-receiver
+    statistics) and every gradient of ``triton_result`` (run_triton's) agree.  The Triton forward keeps no
+    lse (its backward recomputes it with the attention; a wrong one shows in the gradients)."""
     out, lse, stats, grads = triton_result
+    assert lse.shape == (0, case.heads), "the Triton forward returns an empty lse"
     args = op_args(case, dtype=torch.float32, **kw)
     args = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
     cpu_out, cpu_lse, cpu_stats = torch.ops.nt_kernels.ntconv_fwd(*args)
     cpu_grads = dict(zip(GRAD_NAMES, torch.ops.nt_kernels.ntconv_bwd(
         case.grad_out.float(), cpu_out, cpu_lse, cpu_stats, *args, [True, True, True])))
-    exact_rows = torch.zeros(case.csr.num_edges, dtype=torch.bool)
-    threshold = math.inf if kw["threshold"] is None else kw["threshold"]
-    for s in case.csr.segment_split(threshold)[0].tolist():
-        exact_rows[case.csr.rowptr[s]:case.csr.rowptr[s + 1]] = True
-    assert_close(lse.cpu()[exact_rows], cpu_lse[exact_rows].double(), "lse")
     assert_close(stats.cpu(), cpu_stats.double(), "stats")
     assert_close(out.cpu(), cpu_out.double(), "output")
     for name, grad in grads.items():

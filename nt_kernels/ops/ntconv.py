@@ -37,6 +37,12 @@ def _stats_shape(aggr: str, gate_group: str, num_out: int, channels: int, heads:
     return (0,)
 
 
+def _lse_rows(centre: torch.Tensor, receiver: torch.Tensor) -> int:
+    """Rows of ntconv_fwd's lse: E, or 0 on CUDA, whose backward recomputes the attention's lse and so
+    keeps none (docs/design.md §9)."""
+    return 0 if centre.device.type == "cuda" else receiver.shape[0]
+
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -47,7 +53,7 @@ def _ntconv_fwd_fake(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_o
                      seed, heads, aggr, gate_group, dropout, scale, eps):
     num_out, channels = recv_rowptr.shape[0] - 1, centre.shape[1]
     out = centre.new_empty((num_out, channels), dtype=w_qkv.dtype)
-    lse = centre.new_empty((receiver.shape[0], heads), dtype=torch.float32)
+    lse = centre.new_empty((_lse_rows(centre, receiver), heads), dtype=torch.float32)
     stats = centre.new_empty(_stats_shape(aggr, gate_group, num_out, channels, heads),
                              dtype=_stats_dtype(centre.dtype))
     return out, lse, stats

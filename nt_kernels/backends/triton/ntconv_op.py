@@ -12,10 +12,11 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
    with the gated aggregators' gates from the same tiles;
 4. gates (gated aggregators) and the receiver reduction (ntconv_reduce.py),
    merged into per-receiver running state in chunk order; ``out``, ``stats``
-   are finished from that state at the end.
+   are finished from that state at the end.  The attention's lse is a per-chunk
+   transient: the op returns an empty (0, H) ``lse`` and keeps none for the backward.
 
-The backward recomputes 1-3 per chunk, gets dy and do = dy · w_out from the
-saved (out, stats, lse) in one kernel (ntconv_grad.py; where ``split_width``
+The backward recomputes 1-3 per chunk (the attention with its lse), gets dy and do = dy · w_out from the
+saved (out, stats) in one kernel (ntconv_grad.py; where ``split_width``
 allows, that kernel recomputes y from o itself and also sums dW_out and
 db_out, so y and dy are never stored), then the attention
 backward, and du = (dqkv · w_qkv) · dz/du with d_centre (per-segment sums of
@@ -205,19 +206,22 @@ def _finish(p: Problem, state: State, mode: int):
 def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out, rowptr, receiver, perm,
                recv_rowptr, recv_perm, exact_segments, performer_segments, exact_plan, projection, seed, heads,
                aggr, gate_group, dropout, scale, eps, *, chunk_rows=None, device_seed=False):
-    """Triton implementation of ``nt_kernels::ntconv_fwd`` -> (out, lse, stats).
+    """Triton implementation of ``nt_kernels::ntconv_fwd`` -> (out, lse, stats), ``lse`` empty: (0, H).
 
+    The backward reruns each chunk's attention forward, lse included, and never reads a saved one, so
+    the exact kernels write each chunk's lse to a transient buffer and the op keeps none (on a
+    100M-message graph that is 1.6 GB per layer held from the forward to the backward, and its fill).
     ``chunk_rows`` (tests only) overrides the chunk size of a plan built here; ``device_seed`` (tests only)
     makes the kernels read a CPU seed's word from a device cell, as they do for a seed on the device.
     """
     p = problem("ntconv_fwd", locals())
-    lse = torch.zeros((p.num_rows, p.heads), dtype=torch.float32, device=p.device)
     mode = _aggregation_mode(p)
     state = State.empty(p.num_out, p.channels, mode, torch.empty(0, dtype=p.dtype, device=p.device))
     from_o = _sm90_paths(p)[0]
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
-        y, o = _messages(p, chunk, seg_of_row, lse[chunk.row0:chunk.row1], store_z=False, project=not from_o)[:2]
+        lse = _uncovered_zeros(p, (chunk.rows, p.heads), torch.float32)  # read by no later kernel
+        y, o = _messages(p, chunk, seg_of_row, lse, store_z=False, project=not from_o)[:2]
         if from_o:  # y (gated: value halves) and the gates from the message gradient's tiles
             y, gate = _project_with_gates(p, chunk, o)
         else:
@@ -225,7 +229,7 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
         receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
                 apply_gelu=True, gate=gate, bf16_emu=p.bf16_emu)
     out, stats = _finish(p, state, mode)
-    return out, lse, stats
+    return out, torch.empty((0, p.heads), dtype=torch.float32, device=p.device), stats
 
 
 def _grad_mode(p: Problem) -> int:
