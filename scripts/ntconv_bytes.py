@@ -28,9 +28,11 @@ PERFORMER_CHUNK = 256  # rows per chunk of the CUDA Performer kernels (csrc/cuda
 @dataclass(frozen=True)
 class Classes:
     """Where one layer's rows go: packed exact tiles (segments of at most the tallest packed tile), multi-tile
-    exact segments, and the Performer segments (n > n*: their rows, count and 256-row chunks).  The defaults are
-    tolokers' (`--graph tolokers`: H = 2, D = 30, m = 102, n* = 218, bf16 packed tiles up to 64 rows)."""
+    exact segments, and the Performer segments (n > n*: their rows, count and 256-row chunks); and the graph's
+    nodes.  The defaults are tolokers' (`--graph tolokers`: H = 2, D = 30, m = 102, n* = 218, bf16 packed tiles
+    up to 64 rows)."""
 
+    nodes: int = 11_758
     packed: int = 160_670
     multi: int = 298_992
     performer: int = 578_338
@@ -56,7 +58,7 @@ def graph_classes(graph: str, dim: int, features: int) -> Classes:
     big = sizes > switch_threshold(features, dim)
     tall = sizes > max_packed_tile(torch.bfloat16, dim)
     perf = sizes[big]
-    return Classes(int(sizes[~big & ~tall].sum()), int(sizes[~big & tall].sum()), int(perf.sum()),
+    return Classes(data.num_nodes, int(sizes[~big & ~tall].sum()), int(sizes[~big & tall].sum()), int(perf.sum()),
                    int(perf.numel()), int(((perf + PERFORMER_CHUNK - 1) // PERFORMER_CHUNK).sum()))
 
 
@@ -166,7 +168,7 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
     return out
 
 
-def floor(rows, c, heads, node_size, param_size, att):
+def floor(rows, c, node_size, param_size, att):
     """The fewest bytes one layer can move while the backward recomputes q, k, v and o (this design) and
     the attention kernels (``att``, :func:`attention`) read and write what they do now: every kernel outside
     attention fused as far as it can be (y, gates and the receiver reduction from o; the w_qkv gradient and du
@@ -192,7 +194,6 @@ def main() -> None:
     parser.add_argument("--graph", default=None,
                         help="take the row classes (packed exact tiles, multi-tile exact, Performer), the rows and "
                              "the nodes from this graph (needs its npz; default: tolokers' numbers, built in)")
-    parser.add_argument("--nodes", type=int, default=11_758)
     parser.add_argument("--features", type=int, default=102, help="Performer features m")
     parser.add_argument("--channels", type=int, default=60)
     parser.add_argument("--heads", type=int, default=2)
@@ -209,21 +210,17 @@ def main() -> None:
                         help="the fewest bytes this design allows with the attention kernels as they are")
     args = parser.parse_args()
     c = args.channels
-    classes, nodes = Classes(), args.nodes
-    if args.graph:
-        classes = graph_classes(args.graph, c // args.heads, args.features)
-        from nt_kernels.data.datasets import load_dataset
-        nodes = load_dataset(args.graph, None).num_nodes
+    classes = graph_classes(args.graph, c // args.heads, args.features) if args.graph else Classes()
     att = attention(classes, c, args.heads, 2, args.features)
     rows_total = classes.rows
     if args.floor:
-        stages = floor(rows_total, c, args.heads, args.node_bytes, 2, att)
+        stages = floor(rows_total, c, args.node_bytes, 2, att)
         print("| pass | stage | bytes |\n|---|---|---:|")
         for phase, name, nbytes in stages:
             print(f"| {phase} | {name} | {nbytes / 1e6:,.0f} MB |")
         print(f"| | **total** | **{sum(b for _, _, b in stages) / 1e9:.2f} GB** |")
         return
-    rows = kernels(rows_total, nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
+    rows = kernels(rows_total, classes.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
                    2, 4 if args.before else 2, not args.before, args.gated, att, rows_in_plan=not args.before,
                    sm90=not (args.before or args.stored_y))
     print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | |")

@@ -307,8 +307,8 @@ def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
         p.w_qkv, p.b_qkv, p.receiver, p.perm, seg_of_row, qkv, z_out if store else qkv, jac_out if store else qkv,
         chunk.row0, rows, qkv.shape[1], p.seed_word, p.seed_cell, p.drop_threshold, p.drop_scale, C=c,
         F=p.edge_dim, BLOCK_R=t.block_r, BLOCK_C=t.block_c, BLOCK_N=t.block_n, BLOCK_F=t.block_f, HAS_EDGE=edge,
-        DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, STORE_Z=store, DOT_PREC=dot_prec, BF16_EMU=bf16_emu, num_warps=t.num_warps,
-        num_stages=t.num_stages)
+        DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, STORE_Z=store, DOT_PREC=dot_prec,
+        BF16_EMU=bf16_emu, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def rows_gemm(out, a, w, *, rows, k, n, a_split, a_part, a_row, w_k, w_n, bias=None, mul=None,

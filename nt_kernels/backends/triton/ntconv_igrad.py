@@ -130,8 +130,8 @@ def input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, w_acc, b_acc) -> 
         p.receiver, p.perm, seg_of_row, chunk.rowptr, dqkv, du, d_centre if centre else du, scratch, partials,
         chunk.row0, rows, dqkv.shape[1], chunk.seg0, p.seed_word, p.seed_cell, p.drop_threshold, p.drop_scale,
         C=c, F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS),
-        BLOCK_F=t.block_f, HAS_EDGE=edge, DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, CENTRE=centre, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu,
-        num_warps=INPUT_WARPS)
+        BLOCK_F=t.block_f, HAS_EDGE=edge, DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, CENTRE=centre,
+        DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=INPUT_WARPS)
     if centre:
         centre_fixup(scratch, d_centre, chunk, c)
     combine(partials, w_acc, b_acc)
