@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# GPU performance probe (issue 22): at most 180 s from a bare machine, for iterating on kernels.
+# GPU performance probe (issues 22 and 42): at most 420 s from a bare machine, for iterating on kernels.
 # JSON (perf.json) and a printed table; every stage under its own limit, streaming its output
 # to $OUT as it runs.
 #
 # Copy the working tree with .gpu-bundle/ (`make gpu-bundle GPU_PYTHON=...`, scripts/gpu_bundle.sh) to
-# a GPU machine and run, in the tree's root (allow about 240 s; 150 s for two stages):
+# a GPU machine and run, in the tree's root (allow about 420 s; GPU_PERF names fewer stages for less):
 #
 #   bash scripts/gpu_perf.sh
 #   GPU_PERF=layer,roofline bash scripts/gpu_perf.sh
 #
-# Stages (GPU_PERF, a comma list; default layer,steps,powerlaw,roofline,op; stage 0 always runs;
+# Stages (GPU_PERF, a comma list; default layer,steps,powerlaw,roofline,op,ncu; stage 0 always runs;
 # they run in this order, each limited to leave the later selected stages their minimum):
 #   0 env       versions, the bundle's wheel installed, Triton's fingerprint and the bundle's Triton cache
 #   warm        (only when named) the Triton kernels of the layer and powerlaw stages compiled
@@ -27,6 +27,12 @@
 #               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
 #   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
 #               (scripts/gpu_measure.py roofline)
+#   6 ncu       Nsight Compute over one warm tolokers layer,
+#               forward + backward, per variant of GPU_NCU_VARIANTS (default fused,fused:recompute:tc: the
+#               default and the candidate path), the first with a 1 GiB copy and a cuBLAS GEMM for
+#               calibration (scripts/gpu_ncu.py layer); kernel replay, --clock-control none,
+#               --import-source yes, --set detailed; the raw, details and source pages as CSV and
+#               the per-kernel tables (logs/ncu-tables.md: scripts/gpu_ncu.py table) in results.tar.gz
 #   5 op        `nt-kernels bench` on tolokers' Performer-path, then exact-path segments, H = 4,
 #               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
 #               backends: "fused,flex" costs about 25 s of FlexAttention compiling;
@@ -34,13 +40,13 @@
 #               GPU_PERF_PERFORMER_MODE=tc runs them with NT_KERNELS_PERFORMER=tc, so that
 #               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT)
 # Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
-# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 240),
+# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 420),
 # GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu_common.sh's.
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
-GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op}
-BUDGET=${GPU_PERF_BUDGET:-240}
+GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op,ncu}
+BUDGET=${GPU_PERF_BUDGET:-420}
 export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,unfused}
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
@@ -49,8 +55,9 @@ export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PER
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
-                   [op]="90 30")
-ORDER=(warm layer steps powerlaw roofline op)
+                   [op]="90 30" [ncu]="200 60")
+ORDER=(warm layer steps powerlaw roofline op ncu)
+export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:recompute:tc}
 DRY_SCALE=1  # 5 in a dry run on the CPU
 
 selected() { [[ ",$GPU_PERF," == *",$1,"* ]]; }
@@ -141,7 +148,61 @@ stage_powerlaw() {
   ntpy -m nt_kernels.cli bench --layer --graph powerlaw --dtype bfloat16-autocast --variants fused --warmup 1 \
     --repeats 2 "${args[@]}" --out "$WORK/json/perf-powerlaw"
 }
-export -f stage_env stage_warm stage_layer stage_steps stage_op stage_roofline stage_powerlaw install_site triton_cache_setup
+# ncu_variant VARIANT [--calibrate]: one ncu run of gpu_ncu.py's layer program, then its CSV pages; a
+# metric list that this ncu rejects is dropped for a second try with the sections' own metrics.
+ncu_variant() {
+  local variant=$1 label=${1//:/-} dir=$WORK/logs/ncu rep=$WORK/ncu-reports/$1 rc
+  shift
+  rep=${rep//:/-}
+  local profile=(--profile-from-start off --replay-mode kernel --clock-control none --import-source yes
+                 --set detailed -f -o "$rep")
+  mkdir -p "$dir" "$WORK/ncu-reports"
+  (cd "$WORK" && "$NCU" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu_ncu.py" metrics)" "$PY" -P \
+    "$REPO/scripts/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
+  rc=$?
+  if [ $rc -ne 0 ] && grep -qi "metric" "$dir/run-$label.log"; then
+    echo "-- $variant: ncu refused the metric list (run-$label.log); again with the sections' metrics"
+    (cd "$WORK" && "$NCU" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu_ncu.py" layer --variant "$variant" "$@") \
+      >>"$dir/run-$label.log" 2>&1
+    rc=$?
+  fi
+  grep -E "gpu_ncu layer|==ERROR==|==WARNING==" "$dir/run-$label.log" | head -5
+  [ -f "$rep.ncu-rep" ] || { echo "-- $variant: no report (exit $rc)"; return 1; }
+  "$NCU" -i "$rep.ncu-rep" --csv --page raw >"$dir/raw-$label.csv" 2>&1
+  "$NCU" -i "$rep.ncu-rep" --csv --page details >"$dir/details-$label.csv" 2>&1
+  "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source cuda,sass >"$dir/source-$label.csv" 2>&1 \
+    || "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source sass >"$dir/source-$label.csv" 2>&1
+  echo "-- $variant: exit $rc; $(grep -c . "$dir/raw-$label.csv") raw lines, $(wc -c <"$dir/source-$label.csv") bytes of source page"
+  return $rc
+}
+
+stage_ncu() {
+  local variant first=1 rc=0 calib
+  if ! have_cuda; then
+    echo "SKIP ncu (no CUDA device): the profiled program on CPU (graph cut down), then the tables from the"
+    echo "committed CSV fixture (tests/data/ncu)"
+    ntpy "$REPO/scripts/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
+    ntpy "$REPO/scripts/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
+      | head -30
+    return "${PIPESTATUS[0]}"
+  fi
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  [ -n "$NCU" ] || { echo "SKIP ncu: not found"; return 1; }
+  export NCU
+  "$NCU" --version | tail -1
+  for variant in ${GPU_NCU_VARIANTS//,/ }; do
+    calib=()
+    [ $first = 1 ] && calib=(--calibrate)
+    first=0
+    echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left"
+    ncu_variant "$variant" "${calib[@]}" || rc=1
+  done
+  ntpy "$REPO/scripts/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" | head -40 \
+    || rc=1
+  return $rc
+}
+export -f stage_env stage_warm stage_layer stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant \
+  install_site triton_cache_setup
 
 stage_done() {  # perf.json from every stage's JSON so far, and the table
   STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu_perf_report.py" "$WORK" "$OUT/perf.json" \
@@ -161,7 +222,7 @@ if [ "${STATUS[env]}" != ok ]; then
   exit 1
 fi
 number=1
-for stage in layer steps powerlaw roofline op; do
+for stage in layer steps powerlaw roofline op ncu; do
   if [ "$stage" = layer ] && selected warm; then
     run_stage w warm "$(limit_of warm)" stage_warm
   fi

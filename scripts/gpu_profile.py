@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from nt_kernels.bench.layer import LEARNING_RATE, _model, _step
@@ -49,17 +50,29 @@ def train_step(model, optimizer, graph, csr, autocast: bool) -> torch.Tensor:
     return _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast)
 
 
-def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], float]:
-    """The ``top`` events by self device time (self CPU time on CPU) and the total of all."""
+def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], float, list[dict]]:
+    """The ``top`` GPU kernels by device time, the sum of every kernel's time, and the ``top`` operator
+    rows apart (an operator's device time is that of the kernels it launched, so adding operator rows
+    to kernel rows counts the time twice: the first H200 run's table did).  On CPU, where there are
+    no kernels, the operators' self CPU time stands in for both."""
     events = prof.key_averages()
-    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    total = sum(getattr(e, attr) for e in events) / 1e3
-    rows = []
-    for e in sorted(events, key=lambda e: -getattr(e, attr))[:top]:
-        ms = getattr(e, attr) / 1e3
-        rows.append({"name": e.key, "calls": e.count, "ms": round(ms, 3),
-                     "share": round(ms / total, 4) if total else 0.0})
-    return rows, total
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        ops = [e for e in events if e.device_type == DeviceType.CPU and e.device_time_total > 0]
+        key, op_key = "self_device_time_total", "device_time_total"
+    else:
+        kernels = ops = list(events)
+        key = op_key = "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in kernels) / 1e3
+
+    def rows(items, attr):
+        out = []
+        for e in sorted(items, key=lambda e: -getattr(e, attr))[:top]:
+            ms = getattr(e, attr) / 1e3
+            out.append({"name": e.key, "calls": e.count, "ms": round(ms, 3),
+                        "share": round(ms / total, 4) if total else 0.0})
+        return out
+    return rows(kernels, key), total, rows(ops, op_key)
 
 
 SWITCHES = {"recompute": ("NT_KERNELS_NTCONV_RECOMPUTE", "1"), "tc": ("NT_KERNELS_PERFORMER", "tc"),
@@ -118,9 +131,11 @@ def _profile(args, variant: str, fused: bool, device: torch.device) -> dict:
         entry["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device) - before
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        profiled_start = sync(device)
         train_step(model, optimizer, graph, csr, autocast)
-        sync(device)
-    entry["top_kernels"], entry["profiled_kernel_ms"] = kernel_table(prof, device, args.top)
+        profiled_end = sync(device)
+    entry["top_kernels"], entry["profiled_kernel_ms"], entry["top_ops"] = kernel_table(prof, device, args.top)
+    entry["profiled_step_ms"] = round(1e3 * (profiled_end - profiled_start), 3)
     entry.update(step_ms=statistics.median(entry["step_ms_runs"]), loss_first=losses[0], loss_last=losses[-1],
                  status="ok" if all(map(lambda x: x == x and abs(x) != float("inf"), losses)) else "non-finite loss")
     return entry
@@ -129,13 +144,20 @@ def _profile(args, variant: str, fused: bool, device: torch.device) -> dict:
 def print_variant(entry: dict, device: torch.device) -> None:
     what = "GPU kernel" if device.type == "cuda" else "CPU op"
     peak = entry.get("peak_memory_bytes")
+    kernels = entry["profiled_kernel_ms"]
     print(f"\n== {entry['variant']}: step {entry['step_ms']:.1f} ms (median of {len(entry['step_ms_runs'])}; "
-          f"warm-up {entry['warmup_ms_runs']} ms), {what} time in the profiled step "
-          f"{entry['profiled_kernel_ms']:.1f} ms"
+          f"warm-up {entry['warmup_ms_runs']} ms)"
           + (f", peak {peak / 2**20:,.0f} MiB above the baseline" if peak is not None else ""), flush=True)
-    print(f"{'ms':>9} {'share':>6} {'calls':>6}  {what}")
+    print(f"profiled step {entry['profiled_step_ms']:.1f} ms (profiler on): {what}s {kernels:.1f} ms in all, "
+          f"host share {entry['profiled_step_ms'] - kernels:.1f} ms (step - {what}s)")
+    print(f"{'ms':>9} {'share':>6} {'calls':>6}  {what} (self time; these rows add up to the sum above)")
     for row in entry["top_kernels"]:
         print(f"{row['ms']:9.2f} {100 * row['share']:5.1f}% {row['calls']:6d}  {row['name'][:110]}")
+    if device.type == "cuda":
+        print(f"{'ms':>9} {'share':>6} {'calls':>6}  operator (device time of the kernels it launched: "
+              "not to be added to the rows above)")
+        for row in entry["top_ops"]:
+            print(f"{row['ms']:9.2f} {100 * row['share']:5.1f}% {row['calls']:6d}  {row['name'][:110]}")
 
 
 def main(argv=None) -> int:

@@ -127,6 +127,45 @@ def test_exact_peers_on_cuda(name):
                   lambda q, k, v: ref.neighbourhood_attention(q, k, v, csr.rowptr), q, k, v, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, device, head_dim, says", [
+    (torch.bfloat16, "cpu", 8, "runs on CUDA only, not cpu"),
+    (torch.float32, "meta", 8, "takes bfloat16 and float16 only, not float32"),
+    (torch.float16, "meta", 12, "head dim that is a multiple of 8 and at most 256, not 12"),
+], ids=["cpu", "float32", "d12"])
+def test_varlen_peer_says_why_it_cannot_run(dtype, device, head_dim, says):
+    ctx = make_context(make_csr(SIZES), dtype=dtype)
+    ctx.device, ctx.head_dim = torch.device("cuda" if device == "meta" else device), head_dim
+    reason = bb.skip_reason(bb.Backend("varlen", "varlen"), ctx)
+    assert reason.startswith("unsupported: varlen_attn") and says in reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_peer_on_cuda_within_twice_pytorchs_error(dtype):
+    """FlashAttention-2 varlen on the packed rows (empty and one-row segments included) against the float64
+    loop reference: its error at most twice that of the same loop in the low dtype, forward and gradients."""
+    csr = make_csr([130, 0, 1, 300, 7, 128], device="cuda")
+    ctx = make_context(csr, dtype=dtype)
+    ctx.head_dim = 8  # FlashAttention-2 takes head dims that are multiples of 8
+    backend = bb.Backend("varlen", "varlen")
+    if bb.skip_reason(backend, ctx) is not None:
+        pytest.skip(bb.skip_reason(backend, ctx))
+    gen = torch.Generator().manual_seed(4)
+    q64, k64, v64 = (torch.randn(csr.num_edges, H, 8, generator=gen, dtype=torch.float64, device="cpu").cuda()
+                     for _ in range(3))
+    grad = torch.randn(csr.num_edges, H, 8, generator=gen, dtype=torch.float64).cuda()
+
+    def run(fn, dt):
+        q, k, v = (t.to(dt).requires_grad_(True) for t in (q64, k64, v64))
+        out = fn(q, k, v)
+        return [out.double(), *(g.double() for g in torch.autograd.grad(out, (q, k, v), grad.to(dt)))]
+    loop = lambda q, k, v: ref.neighbourhood_attention(q, k, v, csr.rowptr)  # noqa: E731
+    want, low, got = run(loop, torch.float64), run(loop, dtype), run(bb.prepare(backend, ctx), dtype)
+    for name, w, l, g in zip(("o", "dq", "dk", "dv"), want, low, got):
+        assert (g - w).abs().max() <= 2 * (l - w).abs().max() + 1e-6, name
+
+
 def performer_context(sizes, dtype=torch.float64):
     csr = make_csr(sizes)
     projection = orthogonal_random_features(M, D, generator=torch.Generator().manual_seed(3), dtype=dtype)

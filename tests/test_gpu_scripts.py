@@ -185,7 +185,8 @@ def test_gpu_perf_dry_run(tmp_path):
     out = tmp_path / "perf-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-steps.log", "3-powerlaw.log",
-                                              "4-roofline.log", "5-op.log", "perf.json", "results.tar.gz"}
+                                              "4-roofline.log", "5-op.log", "6-ncu.log", "perf.json",
+                                              "results.tar.gz"}
     doc = json.loads((out / "perf.json").read_text())
     assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {
         "fused": "ok", "fused:recompute": "ok", "unfused": "ok"}
@@ -196,6 +197,8 @@ def test_gpu_perf_dry_run(tmp_path):
     assert doc["roofline"]["forward_ms"] > 0
     assert doc["powerlaw"]["results"][0]["status"] == "ok" and len(doc["powerlaw"]["results"][0]["step_ms_runs"]) == 2
     assert "== gpu_perf summary" in result.stdout and "layer tolokers: fused" in result.stdout
+    ncu = (out / "6-ncu.log").read_text()  # the profiled program ran, and the fixture became tables
+    assert "SKIP ncu" in ncu and "gpu_ncu layer: tolokers fused on cpu" in ncu and "3 kernels" in ncu
 
 
 def test_fingerprint_and_compare(tmp_path):

@@ -14,7 +14,7 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
   threshold, one padded batch per path), ``partitioned-<alpha>`` (size split +
   Algorithm 1) and ``sequential`` (one batch per distinct size);
 * the peers of :mod:`nt_kernels.bench.peers`, what a user would write instead:
-  ``pyg-pairs``, ``nested`` and ``flex`` (exact attention everywhere) and the
+  ``pyg-pairs``, ``nested``, ``flex`` and ``varlen`` (exact attention everywhere) and the
   performer-pytorch ``FastAttention`` peers (graphs whose every segment takes
   the Performer path).
 

@@ -12,7 +12,7 @@ import torch
 ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 STRATEGY_FAMILIES = ("parallel", "by-size", "partitioned", "sequential")
 # The peers (nt_kernels.bench.peers): exact attention on every segment, or performer-pytorch's FAVOR+.
-EXACT_PEERS = ("pyg-pairs", "nested", "flex")
+EXACT_PEERS = ("pyg-pairs", "nested", "flex", "varlen")
 PEER_FAMILIES = (*EXACT_PEERS, "performer-pytorch")
 
 

@@ -16,6 +16,10 @@ Each peer computes the same packed (E, H, D) output from the same packed q, k, v
   graph with a million messages could not afford.  Exact everywhere.  Where
   the torch build has no FlexAttention backward on the device (CPU in torch
   2.13) it is measured forward only.
+* ``varlen`` — ``torch.nn.attention.varlen.varlen_attn``, FlashAttention-2 inside
+  torch, on the packed rows with the CSR's row pointer as ``cu_seq_q`` and
+  ``cu_seq_k`` (non-causal).  Exact everywhere; CUDA, bfloat16 and float16 only
+  (head dims a multiple of 8, at most 256).
 * ``performer-pytorch`` / ``performer-pytorch-sizes`` — performer-pytorch's
   ``FastAttention`` (FAVOR+, our projection copied into its buffer) on the
   segments above the switch threshold, for graphs whose every segment is
@@ -50,6 +54,7 @@ EST_PAIRS_C_D, EST_PAIRS_C_S = 8, 6
 def peer_backends() -> list[Backend]:
     """The peers in table order."""
     return [Backend("pyg-pairs", "pyg-pairs"), Backend("nested", "nested"), Backend("flex", "flex"),
+            Backend("varlen", "varlen"),
             Backend("performer-pytorch", "performer-pytorch"),
             Backend("performer-pytorch-sizes", "performer-pytorch")]
 
@@ -89,6 +94,21 @@ def _probe_flex(device: torch.device) -> None:
                                   f"{capability}")
 
 
+def _varlen_unsupported(ctx: Context) -> str | None:
+    """Why varlen_attn cannot run this bench (device, dtype, head dim, torch build), else None."""
+    if ctx.device.type != "cuda":
+        return f"varlen_attn (FlashAttention-2) runs on CUDA only, not {ctx.device.type}"
+    if ctx.dtype not in (torch.bfloat16, torch.float16):
+        return f"varlen_attn takes bfloat16 and float16 only, not {str(ctx.dtype).removeprefix('torch.')}"
+    if ctx.head_dim % 8 or ctx.head_dim > 256:
+        return f"varlen_attn needs a head dim that is a multiple of 8 and at most 256, not {ctx.head_dim}"
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen ({exc})"
+    return None
+
+
 _probes: dict[tuple[str, str], str | None] = {}
 
 
@@ -122,6 +142,10 @@ def skip_reason(backend: Backend, ctx: Context) -> str | None:
         reason = _performer_not_applicable(ctx)
         if reason is not None:
             return reason
+    if backend.family == "varlen":
+        reason = _varlen_unsupported(ctx)
+        if reason is not None:
+            return f"unsupported: {reason}"
     if backend.family in ("nested", "flex"):
         reason = _probe(backend.family, ctx.device)
         if reason is not None:
@@ -171,6 +195,8 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
         return _prepare_flex(ctx, backward=backward_unsupported(backend, ctx) is None)
     if backend.family == "performer-pytorch":
         return _prepare_performer(backend, ctx)
+    if backend.family == "varlen":
+        return _prepare_varlen(ctx)
     raise ValueError(f"bench: no peer family {backend.family!r}")
 
 
@@ -211,6 +237,19 @@ def _prepare_nested(ctx: Context) -> Callable:
         q, k, v = (torch.nested.nested_tensor_from_jagged(t, offsets=offsets).transpose(1, 2)
                    for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).values()
+
+    return fn
+
+
+def _prepare_varlen(ctx: Context) -> Callable:
+    """varlen_attn over the packed rows: one sequence per segment (empty ones are zero-length)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu_seq = ctx.csr.rowptr.to(torch.int32)
+    longest = max((n for n, c in zip(*ctx.hist) if c > 0), default=0)
+
+    def fn(q, k, v):
+        return varlen_attn(q, k, v, cu_seq, cu_seq, longest, longest)
 
     return fn
 

@@ -1,0 +1,302 @@
+"""Stage "ncu" of scripts/gpu_perf.sh (issue 42): hardware counters of one warm tolokers layer.
+
+``layer`` is the program Nsight Compute profiles: the tolokers preset's NT model under bf16
+autocast, ``--warmup`` full training steps (Triton compiles, plans), then, inside
+``cudaProfilerStart`` / ``cudaProfilerStop``, one forward + backward of its first NTConv on
+the encoder's output, with the variant's environment switches set (``fused``: the default
+path; ``fused:recompute:tc``: the sm_90 recompute path with the tensor-core Performer, the
+candidate; scripts/gpu_profile.py's SWITCHES).  ``--calibrate`` adds, inside the range, a
+device-to-device copy of 1 GiB and a 8192^3 bf16 cuBLAS GEMM: the two ceilings the other
+rows are read against.
+
+``table`` turns the CSV pages that ``ncu --csv --page raw`` (one row per kernel, a column per
+metric) and, where it was exported, ``--page source`` wrote into one Markdown table per kernel
+(docs/gpu-ncu.md): launch and occupancy (achieved against theoretical, and the limiter),
+speed of light, memory (DRAM bytes, L2 hit rate, sectors per request, bank conflicts),
+warp-state stalls, and the source lines with the most stall samples.
+
+    ncu --profile-from-start off --clock-control none ... python scripts/gpu_ncu.py layer --variant fused
+    python scripts/gpu_ncu.py table raw-fused.csv --source source-fused.csv --out docs/gpu-ncu.md
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import re
+import sys
+
+# ----------------------------------------------------------------------------------- the program
+
+def layer(args) -> int:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_profile import switches, train_step
+
+    from nt_kernels.bench.layer import LEARNING_RATE, _model
+    from nt_kernels.bench.layer_graphs import PRESETS, build_graph
+    from nt_kernels.csr import NeighbourhoodCSR
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    base, *names = args.variant.split(":")
+    graph = build_graph(args.graph, messages=None, seed=0, device=device, dry_run=not cuda)
+    csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
+    torch.manual_seed(0)
+    model = _model(PRESETS[args.graph], graph, fused=base == "fused").to(device).train()
+    model.prepare(csr, graph.x.shape[0])
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+    with switches(names):
+        for _ in range(args.warmup):
+            train_step(model, optimizer, graph, csr, autocast=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            h = model.encoder(graph.x).detach().requires_grad_()
+        conv = model.convs[0]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            grad = torch.randn_like(conv(h, csr))
+        for _ in range(args.warmup):  # the layer alone, warm (its plans and kernels loaded)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                conv(h, csr).backward(grad)
+        if cuda:
+            torch.cuda.synchronize()
+            calibration = _calibration(device) if args.calibrate else None
+            torch.cuda.cudart().cudaProfilerStart()
+            if calibration:
+                calibration()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            conv(h, csr).backward(grad)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+    print(f"gpu_ncu layer: {args.graph} {args.variant} on {device}: one NTConv forward + backward profiled"
+          + (" after the copy and GEMM calibration" if args.calibrate and cuda else ""))
+    return 0
+
+
+def _calibration(device):
+    """The copy (1 GiB read + 1 GiB written) and a cuBLAS bf16 GEMM, on random data (never zeros)."""
+    import torch
+
+    src = torch.randn(2**28, device=device)  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+
+    def run():
+        dst.copy_(src)
+        torch.mm(a, b)
+    return run
+
+
+# ------------------------------------------------------------------------------------ the tables
+THEORETICAL = "sm__maximum_warps_per_active_cycle_pct"
+ACHIEVED = "sm__warps_active.avg.pct_of_peak_sustained_active"
+# (label, metric) per table; a metric that a CSV lacks is shown as "-".
+LAUNCH = [("grid", "launch__grid_size"), ("block", "launch__block_size"),
+          ("registers", "launch__registers_per_thread"),
+          ("static shared KB/block", "launch__shared_mem_per_block_static"),
+          ("dynamic shared KB/block", "launch__shared_mem_per_block_dynamic"),
+          ("waves/SM", "launch__waves_per_multiprocessor"),
+          ("theoretical occupancy %", THEORETICAL), ("achieved occupancy %", ACHIEVED),
+          ("limit: registers", "launch__occupancy_limit_registers"),
+          ("limit: shared", "launch__occupancy_limit_shared_mem"),
+          ("limit: warps", "launch__occupancy_limit_warps"),
+          ("limit: blocks", "launch__occupancy_limit_blocks")]
+SPEED = [("time us", "gpu__time_duration.sum"),
+         ("DRAM %", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
+         ("memory %", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
+         ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+         ("tensor pipe %", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
+         ("issue active %", "sm__inst_issued.avg.pct_of_peak_sustained_active")]
+MEMORY = [("DRAM read MB", "dram__bytes_read.sum"), ("DRAM write MB", "dram__bytes_write.sum"),
+          ("L2 hit %", "lts__t_sector_hit_rate.pct"),
+          ("sectors/request ld", ("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+                                  "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum")),
+          ("sectors/request st", ("l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
+                                  "l1tex__t_requests_pipe_lsu_mem_global_op_st.sum")),
+          ("shared ld bank conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"),
+          ("shared st bank conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")]
+STALLS = ["barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle", "wait",
+          "math_pipe_throttle", "not_selected", "selected", "no_instruction", "dispatch_stall", "membar",
+          "branch_resolving", "drain", "imc_miss", "tex_throttle", "sleeping", "misc"]
+STALL_METRIC = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+EXTRA_METRICS = sorted({m for _, m in LAUNCH + SPEED} | {x for _, m in MEMORY for x in (m if isinstance(m, tuple)
+                       else (m,))} | {STALL_METRIC.format(s) for s in STALLS})
+
+
+def read_raw(text: str) -> list[dict]:
+    """The kernels of a ``--page raw --csv`` export: a header row of metric names, a row of units,
+    then one row per kernel (values with thousands separators).  Lines before the header
+    (the program's output, ``==PROF==`` lines) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    header, units, body = rows[0], rows[1], rows[2:]
+    kernels = []
+    for row in body:
+        if len(row) != len(header):
+            continue
+        record = dict(zip(header, row))
+        record["_units"] = dict(zip(header, units))
+        kernels.append(record)
+    return kernels
+
+
+def number(record: dict, metric: str) -> float | None:
+    """The metric's value in base units (bytes, ns, %), or None where the export lacks it."""
+    value = record.get(metric, "").replace(",", "").strip()
+    if not value or value == "n/a":
+        return None
+    try:
+        x = float(value)
+    except ValueError:
+        return None
+    unit = record["_units"].get(metric, "").strip().lower()
+    scale = {"kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+             "kb": 1e3, "mb": 1e6, "gb": 1e9, "us": 1e3, "ms": 1e6}.get(unit, 1.0)
+    return x * scale
+
+
+def cell(record: dict, label: str, metric) -> str:
+    if isinstance(metric, tuple):
+        num, den = (number(record, m) for m in metric)
+        return "-" if num is None or not den else f"{num / den:.1f}"
+    x = number(record, metric)
+    if x is None:
+        return "-"
+    if label == "time us":
+        return f"{x / 1e3:.1f}"
+    if label.endswith(" MB"):
+        return f"{x / 1e6:.1f}"
+    if label.endswith("shared KB/block"):
+        return f"{x / 1e3:.1f}"
+    return f"{x:.3g}" if isinstance(x, float) and not x.is_integer() else f"{int(x):,}"
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template arguments and parameter lists, at most 60 characters."""
+    name = re.sub(r"\(.*", "", name)
+    depth, out = 0, []
+    for ch in name:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    text = "".join(out).replace("void ", "").strip()
+    return text[:60]
+
+
+def top_source_lines(text: str, count: int = 5) -> dict[str, list[str]]:
+    """Per kernel, the ``count`` source lines with the most warp-stall samples, from a
+    ``--page source --csv`` export.  The export repeats, per kernel, a "Kernel Name" line and a
+    header row that holds a "Source" column and a "Warp Stall Sampling (All Samples)" column."""
+    found: dict[str, list[str]] = {}
+    kernel, header, rows = None, None, []
+
+    def flush():
+        if kernel is not None and header is not None and rows:
+            col = next((i for i, h in enumerate(header) if h.startswith("Warp Stall Sampling (All")), None)
+            src = next((i for i, h in enumerate(header) if h in ("Source", "Address Source")), None)
+            if col is not None and src is not None:
+                def samples(row):
+                    try:
+                        return float(row[col].replace(",", "") or 0)
+                    except (ValueError, IndexError):
+                        return 0.0
+                total = sum(samples(r) for r in rows) or 1.0
+                best = sorted(rows, key=samples, reverse=True)[:count]
+                found.setdefault(kernel, [f"{100 * samples(r) / total:4.1f} %  {' '.join(r[src].split())[:100]}"
+                                          + (f" (line {r[0]})" if header[0] in ("#", "Line") else "")
+                                          for r in best if samples(r) > 0])
+
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        if row[0].startswith("Kernel Name") or (len(row) == 2 and row[0] == "Kernel Name"):
+            flush()
+            kernel, header, rows = (row[1] if len(row) > 1 else row[0].split(":", 1)[-1]).strip(), None, []
+        elif header is None and any(h.startswith("Warp Stall Sampling") for h in row):
+            header = row
+        elif header is not None:
+            rows.append(row)
+    flush()
+    return found
+
+
+def render(label: str, kernels: list[dict], sources: dict[str, list[str]]) -> str:
+    """One Markdown section: a summary row per kernel, then one table per kernel."""
+    out = [f"### {label}", "", "| # | kernel | time us | DRAM % | SM % | achieved / theoretical occupancy % |",
+           "|---|---|---|---|---|---|"]
+    total = 0.0
+    for i, k in enumerate(kernels):
+        total += number(k, "gpu__time_duration.sum") or 0.0
+        out.append(f"| {i} | `{short_name(k.get('Kernel Name', '?'))}` | {cell(k, 'time us', SPEED[0][1])} | "
+                   f"{cell(k, 'DRAM %', SPEED[1][1])} | {cell(k, 'SM %', SPEED[3][1])} | "
+                   f"{cell(k, '', ACHIEVED)} / {cell(k, '', THEORETICAL)} |")
+    out += ["", f"{len(kernels)} kernels, {total / 1e6:.3f} ms in all (each kernel alone under ncu's replay: "
+            "caches flushed, clocks as found).", ""]
+    for i, k in enumerate(kernels):
+        name = k.get("Kernel Name", "?")
+        out += [f"#### {i}. `{short_name(name)}`", ""]
+        for title, rows in (("launch and occupancy", LAUNCH), ("speed of light", SPEED), ("memory", MEMORY)):
+            out.append(f"- **{title}:** " + "; ".join(f"{lab} {cell(k, lab, m)}" for lab, m in rows))
+        stalls = sorted(((number(k, STALL_METRIC.format(s)) or 0.0, s) for s in STALLS), reverse=True)
+        out.append("- **warp stalls (cycles per issued instruction):** "
+                   + "; ".join(f"{s} {v:.2f}" for v, s in stalls[:6] if v > 0))
+        lines = sources.get(name) or next((v for key, v in sources.items() if short_name(key) == short_name(name)),
+                                          None)
+        if lines:
+            out.append("- **source lines with the most stall samples:**")
+            out += [f"  - `{line}`" for line in lines]
+        out.append("")
+    return "\n".join(out)
+
+
+def table(args) -> int:
+    sections = []
+    for path in args.raw:
+        label = os.path.basename(path).removeprefix("raw-").removesuffix(".csv")
+        kernels = read_raw(open(path, errors="replace").read())
+        sources = {}
+        source_path = os.path.join(os.path.dirname(path), f"source-{label}.csv")
+        if os.path.exists(source_path):
+            sources = top_source_lines(open(source_path, errors="replace").read())
+        if not kernels:
+            print(f"gpu_ncu table: no kernel rows in {path}", file=sys.stderr)
+            return 1
+        sections.append(render(label, kernels, sources))
+    text = "\n".join(sections) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("layer", help="the profiled program: one warm NTConv forward + backward")
+    p.add_argument("--graph", default="tolokers")
+    p.add_argument("--variant", default="fused", help="fused or unfused, with gpu_profile.py's :switches")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calibrate", action="store_true", help="a copy and a cuBLAS GEMM inside the range too")
+    p = sub.add_parser("table", help="Markdown tables from raw-<label>.csv (and source-<label>.csv beside it)")
+    p.add_argument("raw", nargs="+")
+    p.add_argument("--out", default=None)
+    sub.add_parser("metrics", help="print the --metrics list the stage passes to ncu")
+    args = parser.parse_args(argv)
+    if args.command == "metrics":
+        print(",".join(EXTRA_METRICS))
+        return 0
+    return layer(args) if args.command == "layer" else table(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
