@@ -61,6 +61,13 @@ def mib(value):
     return None if value is None else value / 2**20
 
 
+def host_share(entry: dict):
+    """The profiled step's time that no kernel covers (step - summed kernel time), or None."""
+    if entry.get("profiled_step_ms") is None or entry.get("profiled_kernel_ms") is None:
+        return None
+    return entry["profiled_step_ms"] - entry["profiled_kernel_ms"]
+
+
 def table(doc: dict) -> str:
     lines = ["", "== gpu_perf summary " + " ".join(f"{k}={v['status']}({v['seconds']} s)"
                                                    for k, v in doc["stages"].items())]
@@ -72,7 +79,10 @@ def table(doc: dict) -> str:
             peak = fmt(mib(e.get("peak_memory_bytes")), ",.0f", " MiB")
             lines.append(f"layer {layer['graph']} {layer['dtype']} {e['variant']:18s} step "
                          f"{fmt(e.get('step_ms'), '.1f', ' ms')} ({fmt(e.get('speedup_vs_unfused'), '.2f', 'x')} "
-                         f"unfused), peak {peak} [{e.get('status')}]; top: "
+                         f"unfused), peak {peak} [{e.get('status')}]; profiled step "
+                         f"{fmt(e.get('profiled_step_ms'), '.1f', ' ms')} = kernels "
+                         f"{fmt(e.get('profiled_kernel_ms'), '.1f', ' ms')} + host "
+                         f"{fmt(host_share(e), '.1f', ' ms')}; top: "
                          + "; ".join(f"{t['name'][:40]} {t['ms']:.1f} ms" for t in top))
         if "fused_speedup" in layer:
             lines.append(f"layer {layer['graph']}: fused {layer['fused_speedup']:.2f}x faster per step than unfused")

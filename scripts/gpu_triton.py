@@ -234,6 +234,9 @@ def shard_hook(index: int, count: int):
 
 def worker(args) -> int:
     """One warm process: the shard filter (and the compile-only target), then ``nt-kernels ARGS``."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if os.path.isdir(tests):  # kernels that the CUDA tests define (tests/test_*.py) replay too
+        sys.path.append(tests)
     index, count = (int(x) for x in args.shard.split("/"))
     if args.fake_target:
         use_compile_only_driver()
@@ -290,18 +293,33 @@ def replay(args) -> int:
         if r.get("event") == "spec" and r["spec"] not in seen:
             seen.add(r["spec"])
             specs.append(r)
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if os.path.isdir(tests):  # kernels that the CUDA tests define (tests/test_*.py) replay too
+        sys.path.append(tests)
     index, count = (int(x) for x in args.shard.split("/"))
-    done = 0
+    done = stale = 0
     for number, r in enumerate(specs):
         if number % count != index:
             continue
-        fn = getattr(importlib.import_module(r["module"]), r["kernel"].split(".")[-1])
-        fn = getattr(fn, "fn", fn)  # an autotuned kernel wraps its JITFunction
+        try:
+            fn = getattr(importlib.import_module(r["module"]), r["kernel"].split(".")[-1])
+        except (ImportError, AttributeError) as exc:
+            print(f"replay {index}/{count}: {r['module']}.{r['kernel']} not found ({exc}); skipped", flush=True)
+            continue
+        while not hasattr(fn, "preload") and hasattr(fn, "fn"):  # an autotuner or heuristics wraps the JITFunction
+            fn = fn.fn
         data = json.loads(r["spec"])
         data["options"].pop("extern_libs", None)  # a path of the machine that logged it; Triton hashes its content
-        fn.preload(json.dumps(data))
+        try:
+            fn.preload(json.dumps(data))
+        except Exception as exc:  # noqa: BLE001  (a record of an older kernel source: it no longer compiles)
+            stale += 1
+            print(f"replay {index}/{count}: {r['kernel']} no longer compiles with this spec "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[-1][:120] if str(exc) else ''}); skipped", flush=True)
+            continue
         done += 1
-    print(f"replay {index}/{count}: {done} of {len(specs)} specialisations compiled or found", flush=True)
+    print(f"replay {index}/{count}: {done} of {len(specs)} specialisations compiled or found"
+          + (f", {stale} stale" if stale else ""), flush=True)
     return 0
 
 

@@ -179,6 +179,31 @@ def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
         assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], (where, counts)
 
 
+def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
+    """The specialisations the dry run logged (JITFunctions, autotuned ones included), replayed into an empty
+    cache with the compile-only target (what make gpu-bundle does with earlier GPU runs' triton-specs.jsonl),
+    are every one compiled, and the real check's launches then load them all as cache hits."""
+    tmp, _ = check_dry_run
+    log = tmp / "check-work" / "logs" / "triton.jsonl"
+    cache, replay_log = tmp_path / "replayed", tmp_path / "replay.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache), NT_KERNELS_TRITON_AUTOTUNE="0", NT_TRITON_LOG=str(replay_log),
+               NT_TRITON_TAG="replay")
+    result = run([sys.executable, "-P", "scripts/gpu_triton.py", "replay", "--fake-target", "--shard", "0/1", str(log)],
+                 env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    specs = {json.loads(line)["spec"] for line in log.read_text().splitlines() if '"event": "spec"' in line}
+    assert f"{len(specs)} of {len(specs)} specialisations compiled or found" in result.stdout and len(specs) >= 5
+    consumer = tmp_path / "consumer.jsonl"
+    env.pop("NT_TRITON_LOG")
+    result = run([sys.executable, "-P", "scripts/gpu_triton.py", "worker", "--fake-target", "--log", str(consumer),
+                  "--tag", "real", "--", "check", "--device", "cpu", "--dims", "8", "--dtypes", "float32",
+                  "--suites", "exact"], env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    counts = json.loads(run([sys.executable, "scripts/gpu_triton.py", "summary", str(consumer), "--json"]).stdout)
+    assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], counts
+
+
 def test_gpu_perf_dry_run(tmp_path):
     pytest.importorskip("triton")
     result = run(["bash", "scripts/gpu_perf.sh"], env=dry_env(tmp_path, "perf"))
