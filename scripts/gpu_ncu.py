@@ -6,7 +6,7 @@ autocast, ``--warmup`` full training steps (Triton compiles, plans), then, insid
 the encoder's output, with the variant's environment switches set (``fused``: the default
 path; ``fused:recompute:tc``: the sm_90 recompute path with the tensor-core Performer, the
 candidate; scripts/gpu_profile.py's SWITCHES).  ``--calibrate`` adds, inside the range, a
-device-to-device copy of 1 GiB and a 8192^3 bf16 cuBLAS GEMM: the two ceilings the other
+copy kernel over 1 GiB (read + write) and an 8192^3 bf16 cuBLAS GEMM: the two ceilings the other
 rows are read against.
 
 ``table`` turns the CSV pages that ``ncu --csv --page raw`` (one row per kernel, a column per
@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gzip
 import io
 import os
 import re
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------------- the program
 
@@ -76,7 +79,7 @@ def layer(args) -> int:
 
 
 def _calibration(device):
-    """The copy (1 GiB read + 1 GiB written) and a cuBLAS bf16 GEMM, on random data (never zeros)."""
+    """A copy kernel (1 GiB read + 1 GiB written) and a cuBLAS bf16 GEMM, on random data (never zeros)."""
     import torch
 
     src = torch.randn(2**28, device=device)  # 1 GiB of float32
@@ -86,7 +89,7 @@ def _calibration(device):
     torch.cuda.synchronize()
 
     def run():
-        dst.copy_(src)
+        torch.add(src, 1.0, out=dst)  # a kernel (a plain copy_ is a cudaMemcpy, which ncu does not profile)
         torch.mm(a, b)
     return run
 
@@ -156,9 +159,9 @@ def number(record: dict, metric: str) -> float | None:
         x = float(value)
     except ValueError:
         return None
-    unit = record["_units"].get(metric, "").strip().lower()
+    unit = record["_units"].get(metric, "").strip().lower().split("/")[0]  # "Kbyte/block" is Kbyte
     scale = {"kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
-             "kb": 1e3, "mb": 1e6, "gb": 1e9, "us": 1e3, "ms": 1e6}.get(unit, 1.0)
+             "kb": 1e3, "mb": 1e6, "gb": 1e9, "us": 1e3, "ms": 1e6, "s": 1e9}.get(unit, 1.0)
     return x * scale
 
 
@@ -191,56 +194,89 @@ def short_name(name: str) -> str:
     return text[:60]
 
 
+def base_name(name: str) -> str:
+    """A kernel's bare function name (no return type, namespaces, template arguments or parameters), the key
+    that joins the raw page's kernels to the source page's functions."""
+    return short_name(name).split("::")[-1]
+
+
+def _local_source(path: str, line: int) -> str | None:
+    """A line of a file the GPU machine could not open (a Triton kernel's path from the machine that compiled
+    the bundle's cache), read from this checkout: the path from its ``nt_kernels/`` or ``csrc/`` on."""
+    for marker in ("nt_kernels/", "csrc/"):
+        if marker in path:
+            local = os.path.join(ROOT, marker + path.split(marker, 1)[1])
+            if os.path.exists(local):
+                with open(local, errors="replace") as f:
+                    lines = f.read().splitlines()
+                return lines[line - 1].strip() if 0 < line <= len(lines) else None
+    return None
+
+
 def top_source_lines(text: str, count: int = 5) -> dict[str, list[str]]:
-    """Per kernel, the ``count`` source lines with the most warp-stall samples, from a
-    ``--page source --csv`` export.  The export repeats, per kernel, a "Kernel Name" line and a
-    header row that holds a "Source" column and a "Warp Stall Sampling (All Samples)" column."""
-    found: dict[str, list[str]] = {}
-    kernel, header, rows = None, None, []
-
-    def flush():
-        if kernel is not None and header is not None and rows:
-            col = next((i for i, h in enumerate(header) if h.startswith("Warp Stall Sampling (All")), None)
-            src = next((i for i, h in enumerate(header) if h in ("Source", "Address Source")), None)
-            if col is not None and src is not None:
-                def samples(row):
-                    try:
-                        return float(row[col].replace(",", "") or 0)
-                    except (ValueError, IndexError):
-                        return 0.0
-                total = sum(samples(r) for r in rows) or 1.0
-                best = sorted(rows, key=samples, reverse=True)[:count]
-                found.setdefault(kernel, [f"{100 * samples(r) / total:4.1f} %  {' '.join(r[src].split())[:100]}"
-                                          + (f" (line {r[0]})" if header[0] in ("#", "Line") else "")
-                                          for r in best if samples(r) > 0])
-
+    """Per kernel (its base name), the ``count`` source lines with the most warp-stall samples, from a
+    ``--page source --csv --print-source cuda,sass`` export: blocks of a "File Path" row, a "Function Name"
+    row, a header row ("Line No", "Source", ..., "Warp Stall Sampling (All Samples)", ...), then one row per
+    source line (its "Line No" set) followed by its SASS rows (no line number, not counted here).  Samples
+    are summed over every block of a function (its files and launches); shares are of those samples."""
+    samples: dict[str, dict[tuple[str, int], float]] = {}
+    texts: dict[tuple[str, int], str] = {}
+    path = function = header = None
+    col = None
     for row in csv.reader(io.StringIO(text)):
         if not row:
             continue
-        if row[0].startswith("Kernel Name") or (len(row) == 2 and row[0] == "Kernel Name"):
-            flush()
-            kernel, header, rows = (row[1] if len(row) > 1 else row[0].split(":", 1)[-1]).strip(), None, []
-        elif header is None and any(h.startswith("Warp Stall Sampling") for h in row):
+        if row[0] == "File Path" and len(row) > 1:
+            path, header = row[1], None
+        elif row[0] == "Function Name" and len(row) > 1:
+            function, header = base_name(row[1]), None
+        elif row[0] == "Line No":
             header = row
-        elif header is not None:
-            rows.append(row)
-    flush()
+            col = next((i for i, h in enumerate(row) if h.startswith("Warp Stall Sampling (All")), None)
+        elif header is not None and col is not None and function and row[0].strip():
+            try:
+                line, value = int(row[0]), float(row[col].replace(",", "") or 0)
+            except (ValueError, IndexError):
+                continue
+            key = (path or "?", line)
+            by_line = samples.setdefault(function, {})
+            by_line[key] = by_line.get(key, 0.0) + value
+            if not row[1].startswith("<"):
+                texts[key] = " ".join(row[1].split())
+    found = {}
+    for function, by_line in samples.items():
+        total = sum(by_line.values()) or 1.0
+        best = sorted(by_line.items(), key=lambda kv: -kv[1])[:count]
+        found[function] = [
+            f"{100 * value / total:4.1f} %  {os.path.basename(file)}:{line}  "
+            + (texts.get((file, line)) or _local_source(file, line) or "(source not available)")[:100]
+            for (file, line), value in best if value > 0]
     return found
 
 
-def render(label: str, kernels: list[dict], sources: dict[str, list[str]]) -> str:
-    """One Markdown section: a summary row per kernel, then one table per kernel."""
+def render(label: str, kernels: list[dict], sources: dict[str, list[str]], share: float = 0.01) -> str:
+    """One Markdown section: a summary row per launch, then the details of each kernel that takes at least
+    ``share`` of the section's time (its longest launch)."""
     out = [f"### {label}", "", "| # | kernel | time us | DRAM % | SM % | achieved / theoretical occupancy % |",
            "|---|---|---|---|---|---|"]
-    total = 0.0
+    times = [number(k, "gpu__time_duration.sum") or 0.0 for k in kernels]
+    total = sum(times)
     for i, k in enumerate(kernels):
-        total += number(k, "gpu__time_duration.sum") or 0.0
         out.append(f"| {i} | `{short_name(k.get('Kernel Name', '?'))}` | {cell(k, 'time us', SPEED[0][1])} | "
                    f"{cell(k, 'DRAM %', SPEED[1][1])} | {cell(k, 'SM %', SPEED[3][1])} | "
                    f"{cell(k, '', ACHIEVED)} / {cell(k, '', THEORETICAL)} |")
-    out += ["", f"{len(kernels)} kernels, {total / 1e6:.3f} ms in all (each kernel alone under ncu's replay: "
+    out += ["", f"{len(kernels)} launches, {total / 1e6:.3f} ms in all (each kernel alone under ncu's replay: "
             "caches flushed, clocks as found).", ""]
+    longest: dict[str, int] = {}
     for i, k in enumerate(kernels):
+        key = short_name(k.get("Kernel Name", "?"))
+        if key not in longest or times[i] > times[longest[key]]:
+            longest[key] = i
+    shown = sorted((i for i in longest.values() if total and times[i] >= share * total), key=lambda i: -times[i])
+    out += [f"Details of the {len(shown)} kernels with a launch of at least {100 * share:g} % of that time "
+            "(their longest launch):", ""]
+    for i in shown:
+        k = kernels[i]
         name = k.get("Kernel Name", "?")
         out += [f"#### {i}. `{short_name(name)}`", ""]
         for title, rows in (("launch and occupancy", LAUNCH), ("speed of light", SPEED), ("memory", MEMORY)):
@@ -248,24 +284,31 @@ def render(label: str, kernels: list[dict], sources: dict[str, list[str]]) -> st
         stalls = sorted(((number(k, STALL_METRIC.format(s)) or 0.0, s) for s in STALLS), reverse=True)
         out.append("- **warp stalls (cycles per issued instruction):** "
                    + "; ".join(f"{s} {v:.2f}" for v, s in stalls[:6] if v > 0))
-        lines = sources.get(name) or next((v for key, v in sources.items() if short_name(key) == short_name(name)),
-                                          None)
+        lines = sources.get(base_name(name))
         if lines:
-            out.append("- **source lines with the most stall samples:**")
+            out.append("- **source lines with the most stall samples** (all launches of the kernel):")
             out += [f"  - `{line}`" for line in lines]
         out.append("")
     return "\n".join(out)
 
 
+def _read(path: str) -> str:
+    """A CSV page, plain or gzipped (as committed under bench/results/gpu-runs/)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
+        return f.read()
+
+
 def table(args) -> int:
     sections = []
     for path in args.raw:
-        label = os.path.basename(path).removeprefix("raw-").removesuffix(".csv")
-        kernels = read_raw(open(path, errors="replace").read())
+        label = os.path.basename(path).removeprefix("raw-").removesuffix(".gz").removesuffix(".csv")
+        kernels = read_raw(_read(path))
         sources = {}
-        source_path = os.path.join(os.path.dirname(path), f"source-{label}.csv")
-        if os.path.exists(source_path):
-            sources = top_source_lines(open(source_path, errors="replace").read())
+        for suffix in (".csv", ".csv.gz"):
+            source_path = os.path.join(os.path.dirname(path), f"source-{label}{suffix}")
+            if os.path.exists(source_path):
+                sources = top_source_lines(_read(source_path))
         if not kernels:
             print(f"gpu_ncu table: no kernel rows in {path}", file=sys.stderr)
             return 1

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU performance probe (issues 22 and 42): at most 420 s from a bare machine, for iterating on kernels.
+# GPU performance probe (issues 22 and 42): at most 520 s from a bare machine, for iterating on kernels.
 # JSON (perf.json) and a printed table; every stage under its own limit, streaming its output
 # to $OUT as it runs.
 #
 # Copy the working tree with .gpu-bundle/ (`make gpu-bundle GPU_PYTHON=...`, scripts/gpu_bundle.sh) to
-# a GPU machine and run, in the tree's root (allow about 420 s; GPU_PERF names fewer stages for less):
+# a GPU machine and run, in the tree's root (allow about 520 s; GPU_PERF names fewer stages for less):
 #
 #   bash scripts/gpu_perf.sh
 #   GPU_PERF=layer,roofline bash scripts/gpu_perf.sh
@@ -40,13 +40,13 @@
 #               GPU_PERF_PERFORMER_MODE=tc runs them with NT_KERNELS_PERFORMER=tc, so that
 #               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT)
 # Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
-# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 420),
+# CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 520),
 # GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu_common.sh's.
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
 GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op,ncu}
-BUDGET=${GPU_PERF_BUDGET:-420}
+BUDGET=${GPU_PERF_BUDGET:-520}
 export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,unfused}
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
@@ -55,7 +55,7 @@ export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PER
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
-                   [op]="90 30" [ncu]="200 60")
+                   [op]="90 30" [ncu]="280 140")
 ORDER=(warm layer steps powerlaw roofline op ncu)
 export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:recompute:tc}
 DRY_SCALE=1  # 5 in a dry run on the CPU
@@ -168,10 +168,11 @@ ncu_variant() {
   fi
   grep -E "gpu_ncu layer|==ERROR==|==WARNING==" "$dir/run-$label.log" | head -5
   [ -f "$rep.ncu-rep" ] || { echo "-- $variant: no report (exit $rc)"; return 1; }
+  # raw first (the tables), then the source lines (CUDA / Python lines only: with the SASS interleaved the
+  # first H200 ncu run's export took most of a minute and was cut), then the rule texts of the details page.
   "$NCU" -i "$rep.ncu-rep" --csv --page raw >"$dir/raw-$label.csv" 2>&1
+  "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source cuda >"$dir/source-$label.csv" 2>&1
   "$NCU" -i "$rep.ncu-rep" --csv --page details >"$dir/details-$label.csv" 2>&1
-  "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source cuda,sass >"$dir/source-$label.csv" 2>&1 \
-    || "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source sass >"$dir/source-$label.csv" 2>&1
   echo "-- $variant: exit $rc; $(grep -c . "$dir/raw-$label.csv") raw lines, $(wc -c <"$dir/source-$label.csv") bytes of source page"
   return $rc
 }

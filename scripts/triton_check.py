@@ -29,7 +29,7 @@ Packed tile classes follow each architecture's shared memory as the launchers
 do (``packed_classes``).  Runs with Triton 3.6 (the GPU machines' version) and
 3.9.  Exit status 1 on failure.
 
-    python scripts/triton_check.py                          # sm_80, 89, 90; fp32 + bf16; head dims 8..256
+    python scripts/triton_check.py                          # sm_80, 89, 90; fp32, tf32 (float32 with allow_tf32) + bf16; head dims 8..256
     python scripts/triton_check.py --block-d 64             # CI
     python scripts/triton_check.py --arch 90 --block-d 8,32 --candidates
 """
@@ -61,15 +61,16 @@ from nt_kernels.backends.triton.softmax_bwd import bwd_spec  # noqa: E402
 from nt_kernels.backends.triton.softmax_fwd import fwd_spec  # noqa: E402
 
 SHARED_LIMIT = configs.ARCH_SHARED_MEMORY
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-POINTER_TYPES = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+# "tf32": float32 under torch.backends.cuda.matmul.allow_tf32 (the dots' TF32 path, operands rounded first)
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+POINTER_TYPES = {"fp32": "*fp32", "tf32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
 FLOAT32_POINTERS = ("lse_ptr", "delta_ptr")
 SCALARS = {"plan": "*i64", "H": "i32", "D": "i32", "scale": "fp32", "qk_scale": "fp32"}
 
 
 def spec_of(kernel: str, config: dict, dtype: str, heads: int, head_dim: int, cls: int, tile: int):
     make = fwd_spec if kernel.startswith("fwd") else bwd_spec
-    return make(kernel, config, TORCH_DTYPES[dtype], heads, head_dim, cls, tile)
+    return make(kernel, config, TORCH_DTYPES[dtype], heads, head_dim, cls, tile, allow_tf32=dtype == "tf32")
 
 
 def settings(arch: int, dtype: str, head_dim: int) -> list[tuple[str, int, int]]:
@@ -197,7 +198,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="80,89,90", help=f"comma-separated compute capabilities among "
                         f"{', '.join(map(str, sorted(SHARED_LIMIT)))}")
-    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--dtypes", default="fp32,tf32,bf16")
     parser.add_argument("--block-d", default="8,16,32,64,128,256", help="head dims of the sweep")
     parser.add_argument("--heads", type=int, default=4, help="H the kernels are compiled for (default 4)")
     parser.add_argument("--candidates", action="store_true", help="also compile every tuner candidate")

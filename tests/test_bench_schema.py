@@ -176,6 +176,32 @@ def test_tiny_bench_writes_valid_json(tmp_path, capsys):
     assert "partitioned-0.4" in out and "run.json" in out
 
 
+def test_a_run_stopped_midway_keeps_the_backends_measured(tmp_path, monkeypatch):
+    """--out FILE.json is rewritten after every backend but the last, marked partial, so that a run stopped by
+    a time limit (the GPU scripts' stages) keeps what it measured; the finished run overwrites it."""
+    from nt_kernels.bench import measure as bm
+
+    real, calls = bm.measure_backend, []
+
+    def stop_at_the_second(backend, *a, **kw):
+        calls.append(backend.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("the stage's time limit")
+        return real(backend, *a, **kw)
+
+    monkeypatch.setattr(bm, "measure_backend", stop_at_the_second)
+    args = _args(tmp_path, "--backends", "by-size,sequential,parallel")
+    with pytest.raises(KeyboardInterrupt):
+        args.func(args)
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["partial"] == "1 of 3 backends" and [e["backend"] for e in doc["results"]] == ["by-size"]
+    assert doc["results"][0]["status"] == "ok"
+    monkeypatch.setattr(bm, "measure_backend", real)
+    assert args.func(args) == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert "partial" not in doc and len(doc["results"]) == 3 and check_document(doc) == []
+
+
 def test_peers_in_the_bench_json(tmp_path, capsys):
     """Every peer appears in the JSON with a valid entry: the exact peers measured against the exact
     reference (flex forward only where the build has no CPU backward), the Performer peers n/a on a graph

@@ -340,7 +340,8 @@ def test_stored_y_path_of_the_split_modes_in_bf16(aggr, gate_group, monkeypatch)
 # ------------------------------------------------ du and d_centre from one kernel
 def _du_case(sizes, c, dtype, seed=0):
     """A chunk of segments with ``sizes`` rows (chunk-local rowptr, global segment ids from seg0 = 2) and
-    du's operands in ``dtype``; the float64 truth of du and of its per-segment sums."""
+    du's operands in ``dtype`` on DEVICE (the kernel's); the float64 truth of du and of its per-segment sums,
+    on the CPU."""
     from types import SimpleNamespace
 
     from nt_kernels.backends.triton.common import bf16_emulation
@@ -353,9 +354,9 @@ def _du_case(sizes, c, dtype, seed=0):
     jac = torch.rand(rows, c, generator=gen).to(dtype)
     du = (dqkv.permute(1, 0, 2).reshape(rows, 3 * c).double() @ w_qkv.double()) * jac.double()
     centre = torch.stack([du[a:b].sum(0) for a, b in zip(rowptr[:-1], rowptr[1:])])
-    p = SimpleNamespace(channels=c, w_qkv=w_qkv, dot_prec="ieee", bf16_emu=bf16_emulation(dtype))
-    chunk = SimpleNamespace(rows=rows, rowptr=rowptr, seg0=seg0, seg1=seg0 + len(sizes))
-    return p, chunk, seg_of_row, dqkv, jac, du, centre
+    p = SimpleNamespace(channels=c, w_qkv=w_qkv.to(DEVICE), dot_prec="ieee", bf16_emu=bf16_emulation(dtype))
+    chunk = SimpleNamespace(rows=rows, rowptr=rowptr.to(DEVICE), seg0=seg0, seg1=seg0 + len(sizes))
+    return p, chunk, seg_of_row.to(DEVICE), dqkv.to(DEVICE), jac.to(DEVICE), du, centre
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -370,10 +371,10 @@ def test_du_kernel_sums_segments_across_tiles(dtype):
     p, chunk, seg_of_row, dqkv, jac, want_du, want_centre = _du_case(sizes, 6, dtype)
     runs = []
     for _ in range(2):
-        du = torch.empty(chunk.rows, 6, dtype=dtype)
-        centre = torch.full((len(sizes), 6), 0.5)  # the running accumulator the chunk adds to
+        du = torch.empty(chunk.rows, 6, dtype=dtype, device=DEVICE)
+        centre = torch.full((len(sizes), 6), 0.5, device=DEVICE)  # the running accumulator the chunk adds to
         du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, centre)
-        runs.append((du, centre))
+        runs.append((du.cpu(), centre.cpu()))
     du, centre = runs[0]
     if dtype == torch.float32:
         assert_close(du, want_du, "du")

@@ -22,10 +22,13 @@ import torch
 
 pytest.importorskip("triton", reason="the optional dependency triton (nt-kernels[triton]) is not installed")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import nt_kernels  # noqa: E402
 import nt_kernels.backends.triton.register as ntt  # noqa: E402
 from nt_kernels.backends.triton import configs  # noqa: E402
-from nt_kernels.backends.triton.common import device_arch  # noqa: E402
+from nt_kernels.backends.triton.common import device_arch, round_tf32  # noqa: E402
 from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel, _fwd_heads_kernel  # noqa: E402
 from nt_kernels.backends.triton.plan import (  # noqa: E402
     PLAN_BLOCK, SM90_SHARED_MEMORY, build_plan, describe_plan, max_packed_tile, plan_length)
@@ -469,6 +472,30 @@ def test_cuda_tf32_flag_follows_torch():
     assert_low_precision(o_tf32, want, torch_tf32, None, dtype=torch.float32,
                          msg="o, allow_tf32 on (baseline: PyTorch's QKᵀ, softmax, PV with allow_tf32 on)")
     assert tf32 > full, f"allow_tf32 ignored: error {tf32:.3g} with it on, {full:.3g} with it off"
+
+
+@triton.jit
+def _round_tf32_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, round_tf32(tl.load(x_ptr + i)))
+
+
+def test_tf32_operands_round_to_nearest_ties_away():
+    """common.round_tf32, what the TF32 dots feed the tensor cores: 10 mantissa bits, to nearest, ties away
+    from zero (cuBLAS's conversion), not the truncation the tensor cores would apply to raw float32 bits."""
+    ulp = 2.0 ** -10  # of TF32 at 1
+    x = torch.tensor([1 + ulp / 2, 1 + ulp / 2 - 2 ** -23, 1 + ulp / 2 + 2 ** -23, -(1 + ulp / 2), 1 + 0.3 * ulp,
+                      3.0, 0.0, -0.0, 1e-30, 6.0e4 + 7.0, 2.0 ** -126 * 1.5, 1 + 0.7 * ulp], device=DEVICE)
+    x = torch.cat([x, torch.randn(4, device=DEVICE)])
+    y = torch.empty_like(x)
+    _round_tf32_kernel[(1,)](x, y, N=16)
+    want = [1 + ulp, 1.0, 1 + ulp, -(1 + ulp), 1.0, 3.0, 0.0, -0.0, None, None, 2.0 ** -126 * 1.5, 1 + ulp]
+    for i, w in enumerate(want):
+        if w is not None:
+            assert y[i].item() == w, (i, x[i].item(), y[i].item(), w)
+    bits = y.cpu().view(torch.int32)
+    assert torch.all(bits & 0x1FFF == 0)                                       # 13 low bits dropped
+    assert torch.all((y - x).abs() <= x.abs() * 2.0 ** -11 * (1 + 2 ** -10))  # within half a TF32 ulp
 
 
 @pytest.mark.cuda

@@ -160,6 +160,14 @@ def run_graph(name: str, args) -> dict:
     if not ctx.has_performer_segments and refs:
         refs["exact"] = refs["switch"]
     results = []
+
+    def document() -> dict:
+        return {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": command_line(name, args),
+                "device": {"name": device_name(device), "type": device.type, "threads": torch.get_num_threads()},
+                "versions": versions(), "graph": stats, "settings": settings, "results": list(results),
+                "load_average": {"start": list(load_start), "end": list(os.getloadavg())}}
+
     with tempfile.TemporaryDirectory(prefix="nt-bench-") as tmp_name:
         tmp = Path(tmp_name)
         if not args.in_process:
@@ -189,11 +197,12 @@ def run_graph(name: str, args) -> dict:
             results.append(entry)
             print(f"  {name}: {backend.name:16s} {entry['status'][:60]:60s} ({time.perf_counter() - started:.1f} s)",
                   file=sys.stderr, flush=True)
-    doc = {"schema_version": SCHEMA_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "command": command_line(name, args),
-           "device": {"name": device_name(device), "type": device.type, "threads": torch.get_num_threads()},
-           "versions": versions(), "graph": stats, "settings": settings, "results": results,
-           "load_average": {"start": list(load_start), "end": list(os.getloadavg())}}
+            if args.out and args.out.endswith(".json") and backend is not backends[-1]:
+                # A run stopped by a time limit (the GPU scripts') keeps every backend measured so far.
+                partial = dict(document(), partial=f"{len(results)} of {len(backends)} backends")
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(partial, indent=1) + "\n")
+    doc = document()
     doc["summary"] = summarize(doc)
     return doc
 
