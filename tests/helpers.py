@@ -11,7 +11,12 @@ cast and moved, so a seed gives the same numbers on every device and dtype):
   requires_grad=False)`` -> a list of ``count`` (E, H, D) tensors (q, k, v, and e.g. grad_o);
 * ``projection(m, dim, *, dtype=torch.float64, seed=0, device="cpu")`` -> an (m, D) FAVOR+ projection;
 * ``write_npz(path, num_nodes=30, num_classes=3, splits=2, seed=0)`` writes a tiny graph in the
-  HeterophilousGraphDataset npz layout (a ring, random masks).
+  HeterophilousGraphDataset npz layout (a ring, random masks);
+* ``directed_graph(seed=0)`` -> the (2, E) ``edge_index`` of a 24-node directed graph (no edge in both
+  directions, a hub of degree 7, isolated nodes, random edge order);
+* ``adj_t_forms(edge_index, num_nodes)`` -> {name: (adjacency, order)}: the graph in every sparse form of
+  PyG's ``Adj`` in its ``adj_t`` convention (row = receiver), with the permutation from ``edge_index``'s
+  edge order to the form's stored order (``SparseTensor`` only when torch_sparse imports).
 
 Tolerances against a float64 reference (``TOLERANCE[dtype]`` as rtol and atol;
 for float32 the atol scales with the reference's largest magnitude, at least 1):
@@ -49,8 +54,8 @@ from nt_kernels.apps.tolerance import low_precision_bound, max_error
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.performer import orthogonal_random_features
 
-__all__ = ["TOLERANCE", "assert_close", "assert_low_precision", "csr_of_sizes", "max_error", "packed", "projection",
-           "rowptr_of", "write_npz"]
+__all__ = ["DIRECTED_GRAPH_NODES", "TOLERANCE", "adj_t_forms", "assert_close", "assert_low_precision", "csr_of_sizes",
+           "directed_graph", "max_error", "packed", "projection", "rowptr_of", "write_npz"]
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -90,6 +95,44 @@ def write_npz(path, num_nodes=30, num_classes=3, splits=2, seed=0) -> None:
              node_labels=np.arange(num_nodes) % num_classes,
              edges=np.stack([np.arange(num_nodes), (np.arange(num_nodes) + 1) % num_nodes], axis=1),
              train_masks=masks == 0, val_masks=masks == 1, test_masks=masks == 2)
+
+
+DIRECTED_GRAPH_NODES = 24
+
+
+def directed_graph(seed: int = 0) -> torch.Tensor:
+    """A directed graph on 24 nodes (no edge in both directions, so a transposed reading changes an NT layer's
+    output), with a hub of degree 7 and isolated nodes, in a random edge order."""
+    gen = torch.Generator().manual_seed(seed)
+    hub = torch.stack([torch.zeros(7, dtype=torch.long), torch.arange(1, 8)])
+    ring = torch.stack([torch.arange(8, 20), torch.arange(9, 21)])
+    edges = torch.cat([hub, ring, torch.tensor([[3, 5, 12], [15, 18, 2]])], dim=1)
+    return edges[:, torch.randperm(edges.shape[1], generator=gen)]
+
+
+def adj_t_forms(edge_index: torch.Tensor, num_nodes: int) -> dict:
+    """Every sparse form of the graph in PyG's adj_t convention (entry (k, j) for the edge j -> k), each with
+    the permutation that takes edge_index's edge order to the form's stored order."""
+    from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor
+
+    row, col = edge_index[1], edge_index[0]
+    order = torch.argsort(row * num_nodes + col)          # row-major: receiver, then centre
+    by_centre = torch.argsort(col * num_nodes + row)      # column-major
+    size = (num_nodes, num_nodes)
+    forms = {
+        "coo": (to_torch_coo_tensor(torch.stack([row, col]), size=size), order),
+        "csr": (to_torch_csr_tensor(torch.stack([row, col]), size=size), order),
+        "csc": (to_torch_csc_tensor(torch.stack([row, col]), size=size), by_centre),
+        "coo-uncoalesced": (torch.sparse_coo_tensor(torch.stack([row, col]), torch.ones(row.numel()), size),
+                            torch.arange(row.numel())),
+    }
+    try:
+        from torch_sparse import SparseTensor
+    except ImportError:
+        pass
+    else:
+        forms["SparseTensor"] = (SparseTensor(row=row, col=col, sparse_sizes=size), order)
+    return forms
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:

@@ -2,48 +2,15 @@
 import pytest
 import torch
 from torch_geometric.nn import GPSConv
-from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor
+from torch_geometric.utils import to_torch_csr_tensor
 
-from helpers import assert_close
+from helpers import DIRECTED_GRAPH_NODES, adj_t_forms, assert_close, directed_graph
 from nt_kernels.nn import NT, DirNT, NTConv, NTStar
 from nt_kernels.nn.adjacency import adjacency_edge_index
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-NUM_NODES, IN, HIDDEN, EDGE_DIM = 24, 5, 8, 3
-
-
-def directed_graph(seed=0):
-    """A directed graph (no edge in both directions, so a transposed reading changes the output), with a hub
-    of degree 7 and isolated nodes, in a random edge order."""
-    gen = torch.Generator().manual_seed(seed)
-    hub = torch.stack([torch.zeros(7, dtype=torch.long), torch.arange(1, 8)])
-    ring = torch.stack([torch.arange(8, 20), torch.arange(9, 21)])
-    edges = torch.cat([hub, ring, torch.tensor([[3, 5, 12], [15, 18, 2]])], dim=1)
-    return edges[:, torch.randperm(edges.shape[1], generator=gen)]
-
-
-def adj_t_forms(edge_index):
-    """Every sparse form of the graph in PyG's adj_t convention (entry (k, j) for the edge j -> k), each with
-    the permutation that takes edge_index's edge order to the form's stored order."""
-    row, col = edge_index[1], edge_index[0]
-    order = torch.argsort(row * NUM_NODES + col)          # row-major: receiver, then centre
-    by_centre = torch.argsort(col * NUM_NODES + row)      # column-major
-    size = (NUM_NODES, NUM_NODES)
-    forms = {
-        "coo": (to_torch_coo_tensor(torch.stack([row, col]), size=size), order),
-        "csr": (to_torch_csr_tensor(torch.stack([row, col]), size=size), order),
-        "csc": (to_torch_csc_tensor(torch.stack([row, col]), size=size), by_centre),
-        "coo-uncoalesced": (torch.sparse_coo_tensor(torch.stack([row, col]), torch.ones(row.numel()), size),
-                            torch.arange(row.numel())),
-    }
-    try:
-        from torch_sparse import SparseTensor
-    except ImportError:
-        pass
-    else:
-        forms["SparseTensor"] = (SparseTensor(row=row, col=col, sparse_sizes=size), order)
-    return forms
+NUM_NODES, IN, HIDDEN, EDGE_DIM = DIRECTED_GRAPH_NODES, 5, 8, 3
 
 
 FORMS = ["coo", "csr", "csc", "coo-uncoalesced", "SparseTensor"]
@@ -56,8 +23,8 @@ def build(name, **kwargs):
     if name == "DirNT":
         return DirNT(IN, HIDDEN, heads=2, aggr="max", **kwargs)
     if name == "NT":
-        return NT(IN, 3, HIDDEN, 2, heads=2, sep=True, aggr="sum", **kwargs)
-    model = NTStar(IN, 3, HIDDEN, 2, heads=2, global_layers=1, aggr="gated_sum", **kwargs)
+        return NT(IN, HIDDEN, 2, 3, heads=2, sep=True, aggr="sum", **kwargs)
+    model = NTStar(IN, HIDDEN, 3, 2, 1, heads=2, aggr="gated_sum", **kwargs)
     model.stage = "global"
     return model
 
@@ -66,7 +33,7 @@ def build(name, **kwargs):
 @pytest.mark.parametrize("module", ["NTConv", "DirNT", "NT", "NTStar"])
 def test_every_adjacency_form_equals_edge_index(module, form):
     edge_index = directed_graph()
-    forms = adj_t_forms(edge_index)
+    forms = adj_t_forms(edge_index, NUM_NODES)
     if form not in forms:
         pytest.skip("torch_sparse is not installed")
     adj, _ = forms[form]
@@ -82,7 +49,7 @@ def test_every_adjacency_form_equals_edge_index(module, form):
 @pytest.mark.parametrize("form", FORMS)
 def test_edge_attr_follows_the_adjacency_order(form):
     edge_index = directed_graph()
-    forms = adj_t_forms(edge_index)
+    forms = adj_t_forms(edge_index, NUM_NODES)
     if form not in forms:
         pytest.skip("torch_sparse is not installed")
     adj, order = forms[form]
@@ -103,13 +70,13 @@ def sparse(size, indices=((0, 1), (1, 0))):
 def test_bad_adjacency_is_rejected_naming_the_argument(module):
     model = build(module)
     x = torch.randn(NUM_NODES, IN)
-    with pytest.raises(ValueError, match=rf"{module}: graph must be a square adjacency .* got size 24 x 25"):
+    with pytest.raises(ValueError, match=rf"{module}: edge_index must be a square adjacency .* got size 24 x 25"):
         model(x, sparse((NUM_NODES, NUM_NODES + 1)))
-    with pytest.raises(ValueError, match=rf"{module}: graph is a 25 x 25 adjacency but x has 24 rows"):
+    with pytest.raises(ValueError, match=rf"{module}: edge_index is a 25 x 25 adjacency but x has 24 rows"):
         model(x, sparse((NUM_NODES + 1, NUM_NODES + 1)))
-    with pytest.raises(ValueError, match=rf"{module}: graph must be a 2-D sparse adjacency"):
+    with pytest.raises(ValueError, match=rf"{module}: edge_index must be a 2-D sparse adjacency"):
         model(x, torch.sparse_coo_tensor(torch.zeros(3, 1, dtype=torch.long), torch.ones(1), (NUM_NODES,) * 3))
-    with pytest.raises(ValueError, match=rf"{module}.prepare: graph is a 25 x 25 adjacency but x has 24 rows"):
+    with pytest.raises(ValueError, match=rf"{module}.prepare: edge_index is a 25 x 25 adjacency but x has 24 rows"):
         model.prepare(sparse((NUM_NODES + 1, NUM_NODES + 1)), NUM_NODES)
 
 

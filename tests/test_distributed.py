@@ -37,7 +37,7 @@ def sgd_step(world: World, batch_size: int, seed_positions=None) -> dict:
     if seed_positions is not None:
         seeds = seeds[seed_positions]
     torch.manual_seed(0)
-    model = NT(8, 3, 8, 2, heads=2, aggr="weighted_mean", threshold=2.0).double()
+    model = NT(8, 8, 2, 3, heads=2, aggr="weighted_mean", threshold=2.0).double()
     epoch = MiniBatchEpoch(pyg_data(data.edge_index, data.num_nodes, data.x.double(), data.y), seeds, (-1, -1),
                            batch_size, world, seed=5, device="cpu")
     assert len(epoch) == 1
@@ -81,7 +81,7 @@ def test_two_gloo_processes_take_the_step_of_one_with_twice_the_batch(tmp_path, 
     for name, value in single.items():
         torch.testing.assert_close(ddp[name], value, rtol=0, atol=1e-8, msg=name)
     torch.manual_seed(0)
-    start = NT(8, 3, 8, 2, heads=2, aggr="weighted_mean", threshold=2.0).double().state_dict()
+    start = NT(8, 8, 2, 3, heads=2, aggr="weighted_mean", threshold=2.0).double().state_dict()
     moved = [name for name in single if not torch.equal(single[name], start[name])]
     assert len(moved) == sum(1 for name in single if "projection" not in name)   # every weight took the step
     # Without the gradient averaging, rank 0 alone would step on its half of the seeds: a different step.

@@ -258,7 +258,7 @@ n = 300
 x = torch.randint(-1, 2, (n, 6), generator=gen).float()
 edge_index = torch.randint(n, (2, 2400), generator=gen)
 y = torch.randint(3, (n,), generator=gen)
-model = NT(6, 3, 16, 2, heads=2, nb_features=6, aggr="max")
+model = NT(6, 16, 2, 3, heads=2, nb_features=6, aggr="max")
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 losses = []
 for _ in range(8):

@@ -36,7 +36,7 @@ def test_stage_clocks_charge_both_attention_paths_and_stay_off_by_default():
     centre = torch.repeat_interleave(torch.arange(6), degrees)
     csr = NeighbourhoodCSR.from_edge_index(torch.stack([centre, centre.flip(0)]), 6)
     torch.manual_seed(0)
-    model = NT(3, 2, 8, 2, heads=2, aggr="gated_sum", fused=True)
+    model = NT(3, 8, 2, 2, heads=2, aggr="gated_sum", fused=True)
     x = torch.randn(6, 3)
     ext = extension()
     ext.cpu_stage_profile(False)

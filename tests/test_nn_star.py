@@ -56,8 +56,7 @@ def composition(model, x, edge_index):
 @pytest.mark.parametrize("stage", ["local", "global"])
 def test_forward_and_backward_match_a_float64_composition(stage, directed, beta):
     torch.manual_seed(0)
-    model = NTStar(IN, CLASSES, HIDDEN, 2, heads=2, global_layers=2, beta=beta, directed=directed,
-                   aggr="weighted_mean")
+    model = NTStar(IN, HIDDEN, CLASSES, 2, 2, heads=2, beta=beta, directed=directed, aggr="weighted_mean")
     assert all(isinstance(conv, DirNT if directed else NTConv) for conv in model.convs)
     if beta is None:
         torch.nn.init.normal_(model.betas)               # away from the initial 0.5, so that beta matters
@@ -103,7 +102,7 @@ def test_seeded_training_loss_decreases_in_both_stages():
 
 
 def test_global_stage_starts_from_the_best_local_weights():
-    model = NTStar(IN, CLASSES, HIDDEN, 1, heads=2, global_layers=1)
+    model = NTStar(IN, HIDDEN, CLASSES, 1, 1, heads=2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     stages = TwoStages(model, optimizer, local_epochs=3)
     assert model.stage == "local"
@@ -143,7 +142,7 @@ def test_mini_batches_and_data_parallel_only_without_global_stage():
     with pytest.raises(ValueError, match=message):
         train_split(data, 0, star_config(), batch_size=16)
     with pytest.raises(ValueError, match=message):
-        train._training_step(NTStar(IN, CLASSES, HIDDEN, 1), data, data.x, data.edge_index, 0, star_config(),
+        train._training_step(NTStar(IN, HIDDEN, CLASSES, 1), data, data.x, data.edge_index, 0, star_config(),
                              World(0, 2), 0, None, None)
     with pytest.raises(ValueError, match="--eval-batch-size.* NTStar evaluates full batch"):
         train_split(data, 0, star_config(), eval_batch_size=16)
@@ -222,18 +221,19 @@ def test_cli_trains_nt_star_and_writes_json(tmp_path, capsys):
 
 
 def test_bad_arguments_name_themselves():
-    with pytest.raises(ValueError, match=r"NTStar: hidden \(9\) must be divisible by heads \(2\)"):
-        NTStar(IN, CLASSES, 9, 1, heads=2)
+    with pytest.raises(ValueError, match=r"NTStar: hidden_channels \(9\) must be divisible by heads \(2\)"):
+        NTStar(IN, 9, CLASSES, 1, heads=2)
     with pytest.raises(ValueError, match="NTStar: beta must be None or a number in \\[0, 1\\], got 1.5"):
-        NTStar(IN, CLASSES, HIDDEN, 1, beta=1.5)
+        NTStar(IN, HIDDEN, CLASSES, 1, beta=1.5)
     with pytest.raises(ValueError, match="NTStar: local_layers must be an int >= 1"):
-        NTStar(IN, CLASSES, HIDDEN, 0)
-    model = NTStar(IN, CLASSES, HIDDEN, 1)
+        NTStar(IN, HIDDEN, CLASSES, 0)
+    model = NTStar(IN, HIDDEN, CLASSES, 1)
     with pytest.raises(ValueError, match="NTStar: stage must be one of \\('local', 'global'\\), got 'both'"):
         model.stage = "both"
     with pytest.raises(ValueError, match="NTStar: x must have shape"):
         model(torch.randn(5, IN + 1), torch.zeros(2, 0, dtype=torch.long))
-    assert "stage='local'" in repr(model) and "beta=learned" in repr(model)
+    assert repr(model) == "NTStar(8, 8, 3, local_layers=1, global_layers=2, heads=1, beta=learned, stage=local, " \
+                          "aggr=weighted_mean)"
     before = copy.deepcopy(model.state_dict())
     with torch.no_grad():
         model.betas.fill_(1.0)

@@ -153,7 +153,7 @@ def test_dirnt_fused_matches_composition(aggr, gate_group, edge_dim):
 @pytest.mark.parametrize("directed", [False, True], ids=["NT", "DirNT"])
 def test_nt_model_fused_matches_composition_in_eval(directed, sep):
     edge_index, n = GRAPHS["mixed"]()
-    fused, composed = make_pair(NT, IN, 3, OUT, 2, heads=HEADS, dropout=0.2, directed=directed, sep=sep,
+    fused, composed = make_pair(NT, IN, OUT, 2, 3, heads=HEADS, dropout=0.2, directed=directed, sep=sep,
                                 nb_features=NB_FEATURES, aggr="weighted_mean")
     x, _ = features(n, edge_index.shape[1], None)
     assert_same_run(fused.eval(), composed.eval(), x, edge_index)
@@ -184,7 +184,7 @@ def test_fused_none_picks_the_fused_op_on_cpu():
     assert ran_fused_op(lambda: default(x, edge_index))
     assert ran_fused_op(lambda: NTConv(IN, OUT, heads=HEADS, fused=True)(x, edge_index))
     assert not ran_fused_op(lambda: NTConv(IN, OUT, heads=HEADS, fused=False)(x, edge_index))
-    model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, directed=True)
+    model = NT(IN, OUT, 2, 3, heads=HEADS, nb_features=NB_FEATURES, directed=True)
     assert ran_fused_op(lambda: model(x, edge_index))
 
 
@@ -198,7 +198,7 @@ def test_fused_default_rule_per_device_type():
     assert fused_by_default("meta") is False and fused_by_default("xpu") is False
     default = NTConv(IN, OUT, heads=HEADS, nb_features=NB_FEATURES)
     assert default.uses_fused(torch.device("cpu")) and not default.uses_fused(torch.device("cuda"))
-    model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, directed=True)
+    model = NT(IN, OUT, 2, 3, heads=HEADS, nb_features=NB_FEATURES, directed=True)
     assert not any(conv.uses_fused(torch.device("cuda")) for conv in model.modules() if isinstance(conv, NTConv))
     forced = NTConv(IN, OUT, heads=HEADS, nb_features=NB_FEATURES, fused=True)
     if has_fused_kernel("cuda"):  # registered when triton imports (nt_kernels.backends.register_backends)
@@ -228,7 +228,7 @@ def test_fused_must_be_a_bool_or_none(value):
 def test_compile_fullgraph_nt_fused_on_prebuilt_csr():
     edge_index, n = GRAPHS["mixed"]()
     torch.manual_seed(0)
-    model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, aggr="gated_sum", edge_dim=EDGE_DIM,
+    model = NT(IN, OUT, 2, 3, heads=HEADS, nb_features=NB_FEATURES, aggr="gated_sum", edge_dim=EDGE_DIM,
                fused=True).double().eval()
     csr = model.prepare(edge_index, n)
     x, edge_attr = features(n, edge_index.shape[1], EDGE_DIM)
@@ -246,7 +246,7 @@ def test_compile_fullgraph_nt_fused_training_with_dropout():
     """Training mode draws a dropout seed per call; the compiled graph still has no break."""
     edge_index, n = GRAPHS["mixed"]()
     torch.manual_seed(0)
-    model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, dropout=0.1, fused=True).train()
+    model = NT(IN, OUT, 2, 3, heads=HEADS, nb_features=NB_FEATURES, dropout=0.1, fused=True).train()
     for conv in model.convs:
         conv.dropout = 0.2
     csr = model.prepare(edge_index, n)
@@ -275,7 +275,7 @@ def test_dropout_training_is_reproducible_under_the_global_seed():
 def test_nt_training_step_under_bf16_autocast():
     edge_index, n = GRAPHS["mixed"]()
     torch.manual_seed(0)
-    model = NT(IN, 3, OUT, 2, heads=HEADS, nb_features=NB_FEATURES, dropout=0.1, aggr="weighted_mean",
+    model = NT(IN, OUT, 2, 3, heads=HEADS, nb_features=NB_FEATURES, dropout=0.1, aggr="weighted_mean",
                edge_dim=EDGE_DIM, fused=True).train()
     for conv in model.convs:
         conv.dropout = 0.1

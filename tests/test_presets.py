@@ -140,7 +140,7 @@ class _ModeRecorder(torch.nn.Module):
         self.lin = torch.nn.Linear(features, classes)
         self.calls = []
 
-    def forward(self, x, graph=None):
+    def forward(self, x, edge_index=None):
         self.calls.append((self.training, torch.is_grad_enabled()))
         return self.lin(x)
 

@@ -26,8 +26,8 @@ def test_training_losses_composition_kernels_vs_reference(directed):
     for backend in ("kernels", "reference"):
         runs[backend] = train_split(data, 0, config, dtype=torch.float64, backend=backend, fused=False)["losses"]
     torch.manual_seed(0)
-    model = NT(8, 3, 8, 2, heads=2, dropout=0.2, directed=directed, aggr="weighted_mean", fused=False).double()
-    plain = ref.NT(8, 3, 8, 2, heads=2, dropout=0.2, directed=directed, aggr="weighted_mean").double()
+    model = NT(8, 8, 2, 3, heads=2, dropout=0.2, directed=directed, aggr="weighted_mean", fused=False).double()
+    plain = ref.NT(8, 8, 2, 3, heads=2, dropout=0.2, directed=directed, aggr="weighted_mean").double()
     plain.load_state_dict(model.state_dict())
     runs["nt_reference"] = train_split(data, 0, config, dtype=torch.float64, model=plain)["losses"]
     runs["kernels-prebuilt"] = train_split(data, 0, config, dtype=torch.float64, model=model)["losses"]

@@ -120,7 +120,7 @@ def test_nt_loader_keeps_whole_neighbourhoods_of_expanded_nodes():
 def nt_model(directed=False, sep=False, seed=0):
     """Two layers, head dim 4; segments of more than 2 messages take the Performer path."""
     torch.manual_seed(seed)
-    return NT(8, 3, 8, 2, heads=2, directed=directed, sep=sep, aggr="weighted_mean", threshold=2.0).double()
+    return NT(8, 8, 2, 3, heads=2, directed=directed, sep=sep, aggr="weighted_mean", threshold=2.0).double()
 
 
 @pytest.mark.parametrize("directed,sep", [(False, False), (False, True), (True, False)], ids=["NT", "sep", "DirNT"])

@@ -76,10 +76,10 @@ def build_model(config: TrainConfig, in_channels: int, out_channels: int, *, bac
     if isinstance(config, StarConfig):
         if config.sep:
             raise ValueError("train: sep is NT's; NT*'s local blocks keep the ego path themselves")
-        return NTStar(in_channels, out_channels, hidden, config.num_layers, heads=config.heads,
-                      global_layers=config.global_layers, in_dropout=config.in_dropout, dropout=config.dropout,
-                      global_dropout=config.global_dropout, beta=config.beta, directed=config.directed, **conv)
-    return NT(in_channels, out_channels, hidden, config.num_layers, heads=config.heads, dropout=config.dropout,
+        return NTStar(in_channels, hidden, out_channels, config.num_layers, config.global_layers,
+                      in_dropout=config.in_dropout, dropout=config.dropout, global_dropout=config.global_dropout,
+                      heads=config.heads, beta=config.beta, directed=config.directed, **conv)
+    return NT(in_channels, hidden, config.num_layers, out_channels, heads=config.heads, dropout=config.dropout,
               directed=config.directed, sep=config.sep, **conv)
 
 
@@ -89,9 +89,10 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     """Train one model on split ``split`` of ``data``; returns scores at the best validation epoch and the losses.
 
     ``model`` replaces the network of ``config`` (:func:`build_model`; it is
-    called as ``model(x, graph)``).  A :class:`StarConfig` trains in two
-    stages (:class:`~nt_kernels.apps.stages.TwoStages`; ``model`` must then have
-    a ``stage`` attribute).
+    called as ``model(x, edge_index)``, ``edge_index`` a (2, E) tensor or the
+    CSR of ``model.prepare``).  A :class:`StarConfig` trains in two stages
+    (:class:`~nt_kernels.apps.stages.TwoStages`; ``model`` must then have a
+    ``stage`` attribute).
     ``backend`` and ``fused`` are NTConv's (the attention ops of the composition,
     and whether the fused layer op runs).  The NT is
     initialised, and the training run (dropout) seeded, with ``seed + split``.
@@ -119,8 +120,8 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
                          f"{type(model).__name__} evaluates full batch")
     model = model.to(device=device, dtype=dtype)
     torch.manual_seed(seed + split + (world.rank << 32))
-    graph = model.prepare(data.edge_index, data.num_nodes) if hasattr(model, "prepare") else data.edge_index
-    step = _training_step(model, data, x, graph, split, config, world, seed, batch_size, num_neighbors)
+    edge_index = model.prepare(data.edge_index, data.num_nodes) if hasattr(model, "prepare") else data.edge_index
+    step = _training_step(model, data, x, edge_index, split, config, world, seed, batch_size, num_neighbors)
     nodes = None if eval_batch_size is None else eval_loader(data.edge_index, data.num_nodes, eval_batch_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     best, losses, first = {"epoch": -1, "val": -math.inf, "test": math.nan}, [], 0
@@ -143,7 +144,7 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         epochs_run += 1
         model.eval()
         with torch.no_grad():
-            logits = model(x, graph) if nodes is None else layerwise_logits(model, x, nodes)
+            logits = model(x, edge_index) if nodes is None else layerwise_logits(model, x, nodes)
         val_score = score(logits[val], data.y[val])
         if val_score > best["val"]:
             best = {"epoch": epoch, "val": val_score, "test": score(logits[test], data.y[test])}
@@ -174,7 +175,7 @@ def _add_time(totals: dict, stage: str, seconds: float, cpu_seconds: float) -> N
     totals[stage] = (count + 1, total + seconds, cpu + cpu_seconds)
 
 
-def _training_step(model, data, x, graph, split, config, world, seed, batch_size, num_neighbors):
+def _training_step(model, data, x, edge_index, split, config, world, seed, batch_size, num_neighbors):
     """One epoch of training: a full-batch step, or a :class:`MiniBatchEpoch` over this rank's seed batches."""
     train = data.train_mask[split]
     if (isinstance(config, StarConfig) and config.has_global_stage
@@ -189,7 +190,7 @@ def _training_step(model, data, x, graph, split, config, world, seed, batch_size
 
         def full_batch(trained, optimizer, epoch):
             optimizer.zero_grad()
-            loss = F.cross_entropy(trained(x, graph)[train], data.y[train])
+            loss = F.cross_entropy(trained(x, edge_index)[train], data.y[train])
             loss.backward()
             optimizer.step()
             return loss.item()
@@ -202,7 +203,7 @@ def _training_step(model, data, x, graph, split, config, world, seed, batch_size
         batch_size = -(-seeds.numel() // world.size)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"train: batch_size (--batch-size) must be an int >= 1, got {batch_size!r}")
-    layers = getattr(model, "num_layers", config.num_layers)
+    layers = len(model.convs) if hasattr(model, "convs") else config.num_layers  # NT's or NT*'s local layers
     counts = check_num_neighbors((-1,) * layers if num_neighbors is None else num_neighbors, layers,
                                  "train: num_neighbors (--num-neighbors)")
     pyg = pyg_data(data.edge_index, data.num_nodes, x, data.y)
@@ -322,7 +323,7 @@ class _MLP(nn.Module):
             layers += [nn.Linear(hidden, hidden), nn.GELU()]
         self.net = nn.Sequential(*layers, nn.Linear(hidden, out_channels))
 
-    def forward(self, x, graph=None):
+    def forward(self, x, edge_index=None):
         return self.net(x)
 
 

@@ -78,7 +78,7 @@ LEARNING_RATE = 1e-3
 def _model(preset: LayerPreset, graph: LayerGraph, fused: bool):
     from nt_kernels.nn import NT
 
-    return NT(graph.x.shape[1], int(graph.y.max()) + 1, preset.head_dim * preset.heads, preset.num_layers,
+    return NT(graph.x.shape[1], preset.head_dim * preset.heads, preset.num_layers, int(graph.y.max()) + 1,
               heads=preset.heads, dropout=preset.dropout, sep=preset.sep, aggr=preset.aggr, fused=fused)
 
 

@@ -1,8 +1,8 @@
 """Sparse adjacency inputs of the NT modules, in PyG's ``adj_t`` convention.
 
-PyG's layers take a graph either as ``edge_index`` (2, E), row 0 = source,
-row 1 = target, messages flowing source -> target, or as a sparse
-``adj_t`` (``T.ToSparseTensor()``): the *transposed* adjacency, whose entry
+PyG's layers take a graph in their ``edge_index`` argument (PyG's ``Adj``)
+either as a (2, E) tensor, row 0 = source, row 1 = target, messages flowing
+source -> target, or as a sparse ``adj_t`` (``T.ToSparseTensor()``): the *transposed* adjacency, whose entry
 (i, j) is the edge j -> i, so **row = target, column = source**.  PyG's
 ``MessagePassing`` reads ``torch.sparse`` tensors the same way.
 
@@ -27,15 +27,16 @@ __all__ = ["SPARSE_LAYOUTS", "adjacency_edge_index", "is_adjacency"]
 SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
 
 
-def _is_sparse_tensor(graph) -> bool:
+def _is_sparse_tensor(edge_index) -> bool:
     """A ``torch_sparse.SparseTensor`` (recognised without importing torch_sparse, which is optional)."""
-    kind = type(graph)
+    kind = type(edge_index)
     return kind.__name__ == "SparseTensor" and kind.__module__.split(".")[0] == "torch_sparse"
 
 
-def is_adjacency(graph) -> bool:
-    """Whether ``graph`` is a sparse adjacency (a ``torch.sparse`` COO / CSR / CSC tensor or a SparseTensor)."""
-    return _is_sparse_tensor(graph) or (isinstance(graph, torch.Tensor) and graph.layout != torch.strided)
+def is_adjacency(edge_index) -> bool:
+    """Whether ``edge_index`` is a sparse adjacency (a ``torch.sparse`` COO / CSR / CSC tensor or a SparseTensor)."""
+    return _is_sparse_tensor(edge_index) or (isinstance(edge_index, torch.Tensor)
+                                             and edge_index.layout != torch.strided)
 
 
 def _pointer_to_index(pointer: torch.Tensor, total: int) -> torch.Tensor:
@@ -49,10 +50,10 @@ def _rows_and_columns(owner: str, adj) -> tuple[torch.Tensor, torch.Tensor, tupl
         row, col, _ = adj.coo()
         return row, col, tuple(adj.sparse_sizes())
     if adj.layout not in SPARSE_LAYOUTS:
-        raise ValueError(f"{owner}: graph has layout {adj.layout}; a sparse adjacency must be torch.sparse_coo, "
+        raise ValueError(f"{owner}: edge_index has layout {adj.layout}; a sparse adjacency must be torch.sparse_coo, "
                          f"torch.sparse_csr or torch.sparse_csc (or a torch_sparse.SparseTensor)")
     if adj.sparse_dim() != 2:
-        raise ValueError(f"{owner}: graph must be a 2-D sparse adjacency (N, N), got {adj.sparse_dim()} sparse "
+        raise ValueError(f"{owner}: edge_index must be a 2-D sparse adjacency (N, N), got {adj.sparse_dim()} sparse "
                          f"dimensions (size {tuple(adj.shape)})")
     size = tuple(adj.shape[:2])
     if adj.layout == torch.sparse_coo:
@@ -70,13 +71,13 @@ def adjacency_edge_index(owner: str, adj, num_nodes: int) -> torch.Tensor:
     """The ``edge_index`` (2, E) (row 0 = centre, row 1 = receiver) of a sparse ``adj_t`` (row = receiver).
 
     ``adj`` must be square with ``num_nodes`` (the rows of x) on each side; a
-    ``ValueError`` naming ``graph`` and ``x`` otherwise.
+    ``ValueError`` naming ``edge_index`` (the modules' argument) and ``x`` otherwise.
     """
     row, col, size = _rows_and_columns(owner, adj)
     if size[0] != size[1]:
-        raise ValueError(f"{owner}: graph must be a square adjacency (N, N) with row = receiver, column = centre; "
+        raise ValueError(f"{owner}: edge_index must be a square adjacency (N, N) with row = receiver, column = centre; "
                          f"got size {size[0]} x {size[1]}")
     if size[0] != num_nodes:
-        raise ValueError(f"{owner}: graph is a {size[0]} x {size[1]} adjacency but x has {num_nodes} rows; "
+        raise ValueError(f"{owner}: edge_index is a {size[0]} x {size[1]} adjacency but x has {num_nodes} rows; "
                          f"the adjacency must be N x N with N = x.shape[0]")
     return torch.stack([col.long(), row.long()])

@@ -1,9 +1,10 @@
 """NT layers in PyTorch Geometric style (DESIGN §6): :class:`NTConv` and :class:`DirNT`.
 
-Graphs are passed as ``edge_index`` (2, E) (row 0 = centre j, row 1 =
-receiver k), as a sparse adjacency in PyG's ``adj_t`` convention (row =
-receiver k, column = centre j; :mod:`nt_kernels.nn.adjacency`) or as a
-prebuilt :class:`NeighbourhoodCSR`.  Everything derived
+``forward(x, edge_index, edge_attr=None)`` as PyG's convolutions: ``edge_index``
+is anything PyG's ``Adj`` allows, a (2, E) tensor (row 0 = centre j, row 1 =
+receiver k; PyG's source and target) or a sparse adjacency in PyG's ``adj_t``
+convention (row = receiver k, column = centre j; :mod:`nt_kernels.nn.adjacency`),
+or a prebuilt :class:`NeighbourhoodCSR`.  Everything derived
 from a graph (the centre CSR, the receiver CSR used for aggregation, the
 reversed CSR of DirNT, the exact/Performer segment split) is built once:
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -103,25 +105,42 @@ class _GraphCache:
         self.num_nodes = None
         self.csr = None
 
-    def __call__(self, owner: str, graph, num_nodes: int) -> NeighbourhoodCSR:
-        if isinstance(graph, NeighbourhoodCSR):
-            return graph
-        if is_adjacency(graph):
-            graph = adjacency_edge_index(owner, graph, num_nodes)
-        if not isinstance(graph, torch.Tensor):
-            raise ValueError(f"{owner}: the graph must be an edge_index tensor (2, E), a sparse adjacency adj_t "
+    def __call__(self, owner: str, edge_index, num_nodes: int) -> NeighbourhoodCSR:
+        if isinstance(edge_index, NeighbourhoodCSR):
+            return edge_index
+        if is_adjacency(edge_index):
+            edge_index = adjacency_edge_index(owner, edge_index, num_nodes)
+        if not isinstance(edge_index, torch.Tensor):
+            raise ValueError(f"{owner}: edge_index must be a (2, E) tensor, a sparse adjacency adj_t "
                              f"(torch.sparse COO / CSR / CSC or torch_sparse.SparseTensor, row = receiver) or a "
-                             f"NeighbourhoodCSR, got {type(graph).__name__}")
+                             f"NeighbourhoodCSR, got {type(edge_index).__name__}")
         cached = self.edge_index
-        if (cached is not None and self.num_nodes == num_nodes and cached.shape == graph.shape
-                and cached.device == graph.device and torch.equal(cached, graph.to(cached.dtype))):
+        if (cached is not None and self.num_nodes == num_nodes and cached.shape == edge_index.shape
+                and cached.device == edge_index.device and torch.equal(cached, edge_index.to(cached.dtype))):
             return self.csr
-        csr = NeighbourhoodCSR.from_edge_index(graph, num_nodes)
-        self.edge_index, self.num_nodes, self.csr = graph.detach().long().clone(), num_nodes, csr
+        csr = NeighbourhoodCSR.from_edge_index(edge_index, num_nodes)
+        self.edge_index, self.num_nodes, self.csr = edge_index.detach().long().clone(), num_nodes, csr
         return csr
 
 
+_BIPARTITE = ("NT layers do not support bipartite input (x_source, x_target), so they cannot run on the edge "
+              "types between two node types of a heterogeneous graph (torch_geometric.nn.to_hetero)")
+
+
+def _check_in_channels(owner: str, value) -> None:
+    if isinstance(value, (tuple, list)):
+        raise ValueError(f"{owner}: in_channels must be an int, got {value!r}; {_BIPARTITE}")
+    _check_int(f"{owner}: in_channels", value, 1)
+
+
 def _check_x(owner: str, x, in_channels: int) -> None:
+    if isinstance(x, torch.fx.Proxy):
+        raise ValueError(f"{owner}: x is a torch.fx Proxy, but NT modules cannot be traced symbolically (as "
+                         f"torch_geometric.nn.to_hetero traces the model it converts): they read edge_index's "
+                         f"values to build their CSR; {_BIPARTITE}")
+    if isinstance(x, (tuple, list)):
+        raise ValueError(f"{owner}: x must be one (N, in_channels={in_channels}) tensor, got a "
+                         f"{type(x).__name__}; {_BIPARTITE}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != in_channels:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{owner}: x must have shape (N, in_channels={in_channels}), got {shape}")
@@ -129,7 +148,13 @@ def _check_x(owner: str, x, in_channels: int) -> None:
 
 def _check_csr_fits(owner: str, csr: NeighbourhoodCSR, num_nodes: int) -> None:
     if csr.num_nodes > num_nodes:
-        raise ValueError(f"{owner}: the graph has {csr.num_nodes} centre nodes but x has only {num_nodes} rows")
+        raise ValueError(f"{owner}: edge_index is a NeighbourhoodCSR of {csr.num_nodes} centre nodes but x has "
+                         f"only {num_nodes} rows")
+
+
+def _format(value) -> str:
+    """A value in a PyG-style repr: strings unquoted (``aggr=sum``), floats in short form."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 class NTConv(nn.Module):
@@ -143,8 +168,13 @@ class NTConv(nn.Module):
     is aggregated at the receivers.  For ``weighted_mean`` / ``gated_sum``,
     ``W_o`` has ``2 * out_channels`` outputs, read per head as [gate | value].
 
+    ``forward(x, edge_index, edge_attr=None)``: ``x`` (N, in_channels), one node
+    set (no bipartite ``(x_source, x_target)``); ``edge_index`` a (2, E) tensor,
+    a sparse ``adj_t`` or a :class:`NeighbourhoodCSR` (module docstring);
+    ``edge_attr`` (E, edge_dim) in ``edge_index``'s edge order.  Returns (N, out_channels).
+
     Args:
-        in_channels, out_channels: node feature widths.
+        in_channels, out_channels: node feature widths (ints: no bipartite pair, no lazy -1).
         heads: attention heads H.
         edge_dim: width of ``edge_attr``; ``None`` means the layer takes no edge features.
         aggr: ``sum``, ``mean``, ``max``, ``weighted_mean`` or ``gated_sum``.
@@ -176,7 +206,7 @@ class NTConv(nn.Module):
                  nb_features: int | None = None, threshold: float | None = None, gate_group: str = "receiver",
                  backend: str = "kernels", fused: bool | None = None):
         super().__init__()
-        _check_int("NTConv: in_channels", in_channels, 1)
+        _check_in_channels("NTConv", in_channels)
         _check_int("NTConv: out_channels", out_channels, 1)
         _check_int("NTConv: heads", heads, 1)
         if out_channels % heads:
@@ -251,7 +281,9 @@ class NTConv(nn.Module):
         return True
 
     def reset_parameters(self) -> None:
-        """Re-initialise every weight and redraw the Performer projection."""
+        """Re-initialise every weight and redraw the Performer projection from the global RNG, in the
+        constructor's order (so a reset after ``torch.manual_seed(s)`` gives the initialisation of a layer
+        built after ``torch.manual_seed(s)``)."""
         for lin in (self.lin_centre, self.lin_receiver, self.lin_edge, self.lin_qkv, self.lin_out):
             if lin is not None:
                 lin.reset_parameters()
@@ -259,16 +291,16 @@ class NTConv(nn.Module):
             fresh = orthogonal_random_features(self.nb_features, self.head_dim)
             self.projection.copy_(fresh.to(self.projection))
 
-    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
-        """The CSR of ``graph`` with every plan this layer needs built (call before ``torch.compile``)."""
-        csr = self._graphs("NTConv.prepare", graph, num_nodes)
+    def prepare(self, edge_index, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``edge_index`` with every plan this layer needs built (call before ``torch.compile``)."""
+        csr = self._graphs("NTConv.prepare", edge_index, num_nodes)
         csr.segment_split(self.threshold)
         _ = receiver_csr(csr, num_nodes).centre
         return csr
 
-    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NTConv", x, self.in_channels)
-        csr = self._graphs("NTConv", graph, x.shape[0])
+        csr = self._graphs("NTConv", edge_index, x.shape[0])
         _check_csr_fits("NTConv", csr, x.shape[0])
         self._check_edge_attr(csr, edge_attr)
         if self.uses_fused(x.device):
@@ -320,20 +352,31 @@ class NTConv(nn.Module):
             return segment_performer_attention(q, k, v, csr, self.projection)
         return neighbourhood_attention(q, k, v, csr, projection=self.projection, threshold=self.threshold)
 
-    def extra_repr(self) -> str:
-        parts = [f"{self.in_channels}, {self.out_channels}", f"heads={self.heads}", f"aggr={self.aggr!r}",
-                 f"attention={self.attention!r}", f"backend={self.backend!r}", f"fused={self.fused!r}"]
+    def _repr_options(self) -> list[str]:
+        """``heads`` and ``aggr``, then every other constructor option that differs from its default, as
+        ``name=value`` (PyG's repr style: strings unquoted); ``nb_features`` and ``threshold`` when they differ
+        from the values derived from the head width."""
+        parts = [f"heads={self.heads}", f"aggr={self.aggr}"]
         if self.edge_dim is not None:
             parts.append(f"edge_dim={self.edge_dim}")
-        if self.projection is not None:
-            parts.append(f"nb_features={self.nb_features}")
-        if self.attention == "switch":
-            parts.append(f"threshold={self.threshold:.4g}")
-        if self.aggr == "weighted_mean":
-            parts.append(f"gate_group={self.gate_group!r}")
         if self.dropout:
-            parts.append(f"dropout={self.dropout}")
-        return ", ".join(parts)
+            parts.append(f"dropout={_format(self.dropout)}")
+        if self.attention != "switch":
+            parts.append(f"attention={self.attention}")
+        if self.projection is not None and self.nb_features != default_nb_features(self.head_dim):
+            parts.append(f"nb_features={self.nb_features}")
+        if self.attention == "switch" and self.threshold != switch_threshold(self.nb_features, self.head_dim):
+            parts.append(f"threshold={_format(self.threshold)}")
+        if self.gate_group != "receiver":
+            parts.append(f"gate_group={self.gate_group}")
+        if self.backend != "kernels":
+            parts.append(f"backend={self.backend}")
+        if self.fused is not None:
+            parts.append(f"fused={self.fused}")
+        return parts
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.in_channels}, {self.out_channels}, {', '.join(self._repr_options())})"
 
 
 class DirNT(nn.Module):
@@ -344,6 +387,7 @@ class DirNT(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, **kwargs):
         super().__init__()
+        _check_in_channels("DirNT", in_channels)
         self.conv = NTConv(in_channels, out_channels, **kwargs)
         self.conv_reversed = NTConv(in_channels, out_channels, **kwargs)
         self._graphs = _GraphCache()
@@ -366,18 +410,34 @@ class DirNT(nn.Module):
         self.conv.fused = value
         self.conv_reversed.fused = value
 
+    @property
+    def in_channels(self) -> int:
+        return self.conv.in_channels
+
+    @property
+    def out_channels(self) -> int:
+        return self.conv.out_channels
+
     def reset_parameters(self) -> None:
+        """Re-initialise both directions' layers (:meth:`NTConv.reset_parameters`), in the constructor's order."""
         self.conv.reset_parameters()
         self.conv_reversed.reset_parameters()
 
-    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
-        """The CSR of ``graph`` with every plan of both directions built (call before ``torch.compile``)."""
-        csr = self.conv.prepare(self._graphs("DirNT.prepare", graph, num_nodes), num_nodes)
+    def _repr_options(self) -> list[str]:
+        """The options of both layers (:meth:`NTConv._repr_options`)."""
+        return self.conv._repr_options()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.in_channels}, {self.out_channels}, {', '.join(self._repr_options())})"
+
+    def prepare(self, edge_index, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``edge_index`` with every plan of both directions built (call before ``torch.compile``)."""
+        csr = self.conv.prepare(self._graphs("DirNT.prepare", edge_index, num_nodes), num_nodes)
         self.conv_reversed.prepare(reversed_csr(csr, num_nodes), num_nodes)
         return csr
 
-    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("DirNT", x, self.conv.in_channels)
-        csr = self._graphs("DirNT", graph, x.shape[0])
+        csr = self._graphs("DirNT", edge_index, x.shape[0])
         _check_csr_fits("DirNT", csr, x.shape[0])
         return self.conv(x, csr, edge_attr) + self.conv_reversed(x, reversed_csr(csr, x.shape[0]), edge_attr)

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from nt_kernels.csr import NeighbourhoodCSR
-from nt_kernels.nn.conv import (DirNT, NTConv, _check_backend, _check_dropout, _check_fused, _check_int, _check_x,
-                                _GraphCache)
+from nt_kernels.nn.conv import (DirNT, NTConv, _check_backend, _check_dropout, _check_fused, _check_in_channels,
+                                _check_int, _check_x, _format, _GraphCache)
 
 __all__ = ["ConvStack", "NT"]
 
@@ -39,37 +39,51 @@ class ConvStack(nn.Module):
         for conv in self.convs:
             conv.fused = value
 
-    def prepare(self, graph, num_nodes: int) -> NeighbourhoodCSR:
-        """The CSR of ``graph`` with every plan of every layer built (call before ``torch.compile``)."""
-        csr = self._graphs(f"{type(self).__name__}.prepare", graph, num_nodes)
+    def prepare(self, edge_index, num_nodes: int) -> NeighbourhoodCSR:
+        """The CSR of ``edge_index`` with every plan of every layer built (call before ``torch.compile``)."""
+        csr = self._graphs(f"{type(self).__name__}.prepare", edge_index, num_nodes)
         for conv in self.convs:
             conv.prepare(csr, num_nodes)
         return csr
 
+    def _conv_options(self) -> list[str]:
+        """The layers' options for the repr, less ``heads`` (the model's own argument); none without layers."""
+        if not len(self.convs):
+            return []
+        return [part for part in self.convs[0]._repr_options() if not part.startswith("heads=")]
+
 
 class NT(ConvStack):
-    """The paper's NT network (GAT-sep backbone, DESIGN §6).
+    """The paper's NT network (GAT-sep backbone, DESIGN §6), with PyG's ``BasicGNN`` signature.
 
-    ``Linear -> Dropout -> GELU`` encoder to ``hidden`` channels; ``num_layers``
+    ``NT(in_channels, hidden_channels, num_layers, out_channels=None, *, ...)``:
+    ``Linear -> Dropout -> GELU`` encoder to ``hidden_channels``; ``num_layers``
     residual blocks ``x = x + FFN(h)`` with ``nx = LayerNorm(x)``,
     ``h = conv(nx)`` (an NTConv, or a DirNT when ``directed``), ``h = [nx | h]``
     when ``sep``, ``FFN = Linear -> Dropout -> GELU -> Linear -> Dropout``;
-    ``LayerNorm -> Linear`` predictor.  ``hidden`` is the total width
-    (heads x head dim); ``dropout`` applies to the encoder and the FFNs, the
-    remaining keyword arguments go to every NTConv.
+    ``LayerNorm -> Linear`` predictor to ``out_channels`` (``None``: ``hidden_channels``,
+    as in PyG's ``BasicGNN``).  ``hidden_channels`` is the total width (heads x head
+    dim); ``dropout`` applies to the encoder and the FFNs, the remaining keyword
+    arguments go to every NTConv.  ``forward(x, edge_index, edge_attr=None)``
+    as :class:`NTConv`'s.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, hidden: int, num_layers: int, heads: int = 1,
-                 dropout: float = 0.0, directed: bool = False, sep: bool = False, **conv_kwargs):
+    def __init__(self, in_channels: int, hidden_channels: int, num_layers: int, out_channels: int | None = None, *,
+                 heads: int = 1, dropout: float = 0.0, directed: bool = False, sep: bool = False, **conv_kwargs):
         super().__init__()
-        for name, value, low in (("in_channels", in_channels, 1), ("out_channels", out_channels, 1),
-                                 ("hidden", hidden, 1), ("num_layers", num_layers, 0), ("heads", heads, 1)):
+        _check_in_channels("NT", in_channels)
+        out_channels = hidden_channels if out_channels is None else out_channels
+        for name, value, low in (("hidden_channels", hidden_channels, 1), ("num_layers", num_layers, 0),
+                                 ("out_channels", out_channels, 1), ("heads", heads, 1)):
             _check_int(f"NT: {name}", value, low)
+        if hidden_channels % heads:
+            raise ValueError(f"NT: hidden_channels ({hidden_channels}) must be divisible by heads ({heads})")
         _check_dropout("NT", dropout)
-        self.in_channels, self.out_channels, self.hidden = in_channels, out_channels, hidden
+        self.in_channels, self.hidden_channels, self.out_channels = in_channels, hidden_channels, out_channels
         self.num_layers, self.heads, self.dropout = num_layers, heads, float(dropout)
         self.directed, self.sep = bool(directed), bool(sep)
         conv_cls = DirNT if directed else NTConv
+        hidden = hidden_channels
         ffn_in = 2 * hidden if sep else hidden
         self.encoder = nn.Sequential(nn.Linear(in_channels, hidden), nn.Dropout(dropout), nn.GELU())
         self.norms = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(num_layers))
@@ -82,32 +96,41 @@ class NT(ConvStack):
         self._graphs = _GraphCache()
 
     def reset_parameters(self) -> None:
-        for block in (self.encoder, self.norms, *self.ffns, self.predictor, self.convs):
+        """Re-initialise every parameter (and the layers' Performer projections) from the global RNG, in the
+        constructor's order: a reset after ``torch.manual_seed(s)`` gives the model built after it."""
+        for block in (self.encoder, self.norms, self.convs, *self.ffns, self.predictor):
             for module in block:
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
 
-    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NT", x, self.in_channels)
-        csr = self._graphs("NT", graph, x.shape[0])
+        csr = self._graphs("NT", edge_index, x.shape[0])
         x = self.encoder(x)
         for index in range(self.num_layers):
             x = self.block(index, x, csr, edge_attr)
         return self.predictor(x)
 
-    def block(self, index: int, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
-        """Residual block ``index`` on hidden features ``x`` (N, hidden): ``x + FFN([LayerNorm(x) |] conv(...))``.
+    def block(self, index: int, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+        """Residual block ``index`` on hidden features ``x`` (N, hidden_channels):
+        ``x + FFN([LayerNorm(x) |] conv(...))``.
 
         ``forward`` is ``predictor(block(L-1, ... block(0, encoder(x)) ...))``;
         layer-wise inference (``nt_kernels.apps.minibatch.layerwise_logits``)
         calls the blocks one at a time on node batches.
         """
         nx = self.norms[index](x)
-        h = self.convs[index](nx, graph, edge_attr)
+        h = self.convs[index](nx, edge_index, edge_attr)
         if self.sep:
             h = torch.cat([nx, h], dim=-1)
         return x + self.ffns[index](h)
 
-    def extra_repr(self) -> str:
-        return (f"directed={self.directed}, sep={self.sep}, hidden={self.hidden}, "
-                f"num_layers={self.num_layers}, dropout={self.dropout}")
+    def __repr__(self) -> str:
+        parts = [str(self.in_channels), str(self.hidden_channels), f"num_layers={self.num_layers}"]
+        if self.out_channels != self.hidden_channels:
+            parts.append(f"out_channels={self.out_channels}")
+        parts.append(f"heads={self.heads}")
+        if self.dropout:
+            parts.append(f"dropout={_format(self.dropout)}")
+        parts += [f"{name}=True" for name in ("directed", "sep") if getattr(self, name)]
+        return f"{type(self).__name__}({', '.join(parts + self._conv_options())})"

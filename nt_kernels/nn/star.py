@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch_geometric.nn.attention import PolynormerAttention
 
-from nt_kernels.nn.conv import DirNT, NTConv, _check_dropout, _check_int, _check_x, _GraphCache
+from nt_kernels.nn.conv import (DirNT, NTConv, _check_dropout, _check_in_channels, _check_int, _check_x, _format,
+                                _GraphCache)
 from nt_kernels.nn.model import ConvStack
 
 __all__ = ["NTStar"]
@@ -23,10 +24,16 @@ def _check_beta(name: str, value) -> None:
 class NTStar(ConvStack):
     r"""NT*, the paper's "GT-augmented NT": Polynormer whose local message passing is done by NT layers.
 
+    **Signature.** PyG's :class:`~torch_geometric.nn.models.Polynormer` names and
+    order, ``NTStar(in_channels, hidden_channels, out_channels, local_layers=7,
+    global_layers=2, *, in_dropout, dropout, global_dropout, heads, beta, ...)``,
+    the options after ``global_layers`` keyword-only; ``forward(x, edge_index,
+    edge_attr=None)`` as :class:`NTConv`'s.
+
     **Structure (from Polynormer, arXiv 2403.01232, and its released code).**
-    Input ``x -> Dropout(in_dropout) -> Linear -> Dropout(dropout)`` to ``hidden``
+    Input ``x -> Dropout(in_dropout) -> Linear -> Dropout(dropout)`` to ``hidden_channels``
     channels; then ``local_layers`` local blocks, each (ReLU, LayerNorm, all
-    ``hidden`` wide)
+    ``hidden_channels`` wide)
 
     .. math::
         h = \mathrm{ReLU}(W_h x), \quad
@@ -44,19 +51,20 @@ class NTStar(ConvStack):
     **From NT.** ``conv`` is an :class:`NTConv` (a :class:`DirNT` when
     ``directed``) in place of Polynormer's GATConv, built with ``heads`` and
     ``conv_kwargs`` (aggregator, attention, ...): NT's settings for the
-    dataset.  ``hidden = heads * head_dim`` as in :class:`NT`.
+    dataset.  ``hidden_channels = heads * head_dim`` as in :class:`NT`.
 
     **Where the paper is silent, and what this class does.** The paper gives
     no NT* hyperparameters or code; it says only that Polynormer's MPNN part
     was replaced by an NT layer.
 
     * *Widths.* Polynormer runs both stages at ``heads * hidden_channels``
-      with the same heads; here both run at NT's ``hidden``, and the global
-      attention uses NT's heads and head width (``hidden // heads``), so its
-      output has the local width as in Polynormer.
-    * *Layer count and dropout.* ``local_layers`` and ``dropout`` are NT's
-      (the released NT recipe: 5 layers, 0.2 on minesweeper), not Polynormer's
-      (10 layers of 8 x 64 channels), which would cost ~20x NT's per-epoch time.
+      with the same heads; here both run at ``hidden_channels`` (NT's total
+      width), and the global attention uses NT's heads and head width
+      (``hidden_channels // heads``), so its output has the local width as in Polynormer.
+    * *Layer count and dropout.* The presets (:mod:`nt_kernels.apps.presets`)
+      set ``local_layers`` and ``dropout`` to NT's (the released NT recipe: 5
+      layers, 0.2 on minesweeper), not Polynormer's (10 layers of 8 x 64
+      channels), which would cost ~20x NT's per-epoch time.
     * *Ego path.* Polynormer's ``W x`` term plays the role of NT's ``sep``
       (ego and neighbour embeddings kept apart), so there is no ``sep``.
     * *beta.* ``beta=None``: learned per layer and channel as
@@ -71,42 +79,49 @@ class NTStar(ConvStack):
       with keys (released default), dropout ``global_dropout``.
     * *One graph.* The global attention runs over all rows of ``x`` as one
       set (no ``batch`` vector); node batches would restrict it to the batch.
+    * *Defaults.* ``local_layers=7`` and ``global_layers=2`` are Polynormer's;
+      the dropouts (0) and ``beta`` (None: learned) stay this class's own
+      (Polynormer: 0.15, 0.5, 0.5 and a fixed 0.9).  Polynormer's ``qk_shared``
+      (here always True), ``pre_ln``, ``post_bn`` and ``local_attn`` are not offered.
 
     Args:
         in_channels, out_channels: input feature width and number of classes.
-        hidden: width of both stages (NT's heads x head dim).
+        hidden_channels: width of both stages (NT's heads x head dim).
         local_layers: NT layers of the local stage.
-        heads: heads of the NT layers and of the global attention; divides ``hidden``.
         global_layers: PolynormerAttention layers.
         in_dropout, dropout, global_dropout: on the input features, after
             each local block's ReLU (and after the input projection), and on
             each global layer's output.
+        heads: heads of the NT layers and of the global attention; divides ``hidden_channels``.
         beta, global_beta: see above.
         directed: DirNT layers (edges and reversed edges) instead of NTConv.
         **conv_kwargs: the NT layers' other arguments (``aggr``, ``attention``,
             ``gate_group``, ``edge_dim``, ``backend``, ``fused``, ...).
     """
 
-    def __init__(self, in_channels: int, out_channels: int, hidden: int, local_layers: int, heads: int = 1,
-                 global_layers: int = 2, in_dropout: float = 0.0, dropout: float = 0.0, global_dropout: float = 0.0,
-                 beta: float | None = None, global_beta: float | None = None, directed: bool = False,
+    def __init__(self, in_channels: int, hidden_channels: int, out_channels: int, local_layers: int = 7,
+                 global_layers: int = 2, *, in_dropout: float = 0.0, dropout: float = 0.0, global_dropout: float = 0.0,
+                 heads: int = 1, beta: float | None = None, global_beta: float | None = None, directed: bool = False,
                  **conv_kwargs):
         super().__init__()
-        for name, value, low in (("in_channels", in_channels, 1), ("out_channels", out_channels, 1),
-                                 ("hidden", hidden, 1), ("local_layers", local_layers, 1), ("heads", heads, 1),
-                                 ("global_layers", global_layers, 0)):
+        _check_in_channels("NTStar", in_channels)
+        for name, value, low in (("hidden_channels", hidden_channels, 1), ("out_channels", out_channels, 1),
+                                 ("local_layers", local_layers, 1), ("global_layers", global_layers, 0),
+                                 ("heads", heads, 1)):
             _check_int(f"NTStar: {name}", value, low)
-        if hidden % heads:
-            raise ValueError(f"NTStar: hidden ({hidden}) must be divisible by heads ({heads})")
+        if hidden_channels % heads:
+            raise ValueError(f"NTStar: hidden_channels ({hidden_channels}) must be divisible by heads ({heads})")
         for name, value in (("in_dropout", in_dropout), ("dropout", dropout), ("global_dropout", global_dropout)):
             _check_dropout(f"NTStar: {name}", value)
         _check_beta("beta", beta)
         _check_beta("global_beta", global_beta)
-        self.in_channels, self.out_channels, self.hidden, self.heads = in_channels, out_channels, hidden, heads
-        self.num_layers, self.global_layers, self.directed = local_layers, global_layers, bool(directed)
+        self.in_channels, self.hidden_channels, self.out_channels = in_channels, hidden_channels, out_channels
+        self.local_layers, self.global_layers, self.heads = local_layers, global_layers, heads
+        self.directed = bool(directed)
         self.in_dropout, self.dropout, self.global_dropout = float(in_dropout), float(dropout), float(global_dropout)
         self.beta = None if beta is None else float(beta)
         self.global_beta = float(global_beta if global_beta is not None else 0.5 if beta is None else beta)
+        hidden = hidden_channels
         conv_cls = DirNT if directed else NTConv
         self.lin_in = nn.Linear(in_channels, hidden)
         self.h_lins = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(local_layers))
@@ -145,6 +160,8 @@ class NTStar(ConvStack):
             module.requires_grad_(used)
 
     def reset_parameters(self) -> None:
+        """Re-initialise every parameter (and the NT layers' Performer projections) from the global RNG, in the
+        constructor's order: a reset after ``torch.manual_seed(s)`` gives the model built after it."""
         for module in (self.lin_in, *self.h_lins, *self.convs, *self.lins, *self.lns, self.ln, *self.global_attn,
                        self.pred_local, self.pred_global):
             module.reset_parameters()
@@ -155,9 +172,9 @@ class NTStar(ConvStack):
         """beta of local block ``index``: sigmoid of its learned row, or the fixed number."""
         return self.beta if self.betas is None else torch.sigmoid(self.betas[index])
 
-    def forward(self, x: torch.Tensor, graph, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NTStar", x, self.in_channels)
-        csr = self._graphs("NTStar", graph, x.shape[0])
+        csr = self._graphs("NTStar", edge_index, x.shape[0])
         x = F.dropout(x, self.in_dropout, self.training)
         x = F.dropout(self.lin_in(x), self.dropout, self.training)
         x_local = 0
@@ -174,9 +191,16 @@ class NTStar(ConvStack):
             z = attention(z)
         return self.pred_global(z.squeeze(0))
 
-    def extra_repr(self) -> str:
-        beta = "learned" if self.beta is None else self.beta
-        return (f"stage={self._stage!r}, directed={self.directed}, hidden={self.hidden}, heads={self.heads}, "
-                f"local_layers={self.num_layers}, global_layers={self.global_layers}, beta={beta}, "
-                f"global_beta={self.global_beta}, in_dropout={self.in_dropout}, dropout={self.dropout}, "
-                f"global_dropout={self.global_dropout}")
+    def __repr__(self) -> str:
+        parts = [str(self.in_channels), str(self.hidden_channels), str(self.out_channels),
+                 f"local_layers={self.local_layers}", f"global_layers={self.global_layers}"]
+        for name in ("in_dropout", "dropout", "global_dropout"):
+            if getattr(self, name):
+                parts.append(f"{name}={_format(getattr(self, name))}")
+        parts += [f"heads={self.heads}", f"beta={'learned' if self.beta is None else _format(self.beta)}"]
+        if self.global_beta != (0.5 if self.beta is None else self.beta):
+            parts.append(f"global_beta={_format(self.global_beta)}")
+        if self.directed:
+            parts.append("directed=True")
+        parts.append(f"stage={self._stage}")
+        return f"{type(self).__name__}({', '.join(parts + self._conv_options())})"

@@ -204,9 +204,11 @@ class DirNT(nn.Module):
 class NT(nn.Module):
     """Reference NT network; same structure and parameter names as ``nt_kernels.nn.NT``."""
 
-    def __init__(self, in_channels, out_channels, hidden, num_layers, heads=1, dropout=0.0, directed=False,
-                 sep=False, **conv_kwargs):
+    def __init__(self, in_channels, hidden_channels, num_layers, out_channels=None, *, heads=1, dropout=0.0,
+                 directed=False, sep=False, **conv_kwargs):
         super().__init__()
+        hidden = hidden_channels
+        out_channels = hidden if out_channels is None else out_channels
         self.sep = sep
         conv_cls = DirNT if directed else NTConv
         self.encoder = nn.Sequential(nn.Linear(in_channels, hidden), nn.Dropout(dropout), nn.GELU())
