@@ -61,7 +61,7 @@ CHECK_ARGS ?=
 check: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli check $(CHECK_ARGS)
 
-# What scripts/gpu_check.sh and scripts/gpu_perf.sh need on a GPU machine besides
+# What scripts/gpu/gpu_check.sh and scripts/gpu/gpu_perf.sh need on a GPU machine besides
 # the working tree, in .gpu-bundle/ (git-ignored, <= 60 MiB): the CUDA wheel built
 # with GPU_PYTHON (required: a Python with the GPU machine's Python and torch, e.g.
 # 3.12 + torch 2.11.0+cu130, in a venv of its own), the real graphs and (TRITON_AOT=1,
@@ -69,14 +69,14 @@ check: $(STAMP)
 # docs/results.md, "GPU: how to run".
 TRITON_AOT ?= 1
 gpu-bundle:
-	GPU_PYTHON="$(GPU_PYTHON)" TRITON_AOT=$(TRITON_AOT) bash scripts/gpu_bundle.sh
+	GPU_PYTHON="$(GPU_PYTHON)" TRITON_AOT=$(TRITON_AOT) bash scripts/gpu/gpu_bundle.sh
 
 # Both GPU scripts on this machine's CPU (their CUDA stages run cut-down CPU
 # versions of the same commands): no shell or Python error waits for a GPU.
 # tests/test_gpu_scripts.py runs the same.
 gpu-dry-run: $(STAMP)
-	OUT=gpu-out/check GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu_check.sh
-	OUT=gpu-out/perf GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu_perf.sh
+	OUT=gpu-out/check GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu/gpu_check.sh
+	OUT=gpu-out/perf GPU_SITE=installed GPU_PYTHON=$(PYTHON) bash scripts/gpu/gpu_perf.sh
 
 # Compile every csrc/cuda/*.cu for sm_80, sm_89 and sm_90 (no GPU needed) and
 # syntax-check the torch bindings; fails on a compile error, a register spill,

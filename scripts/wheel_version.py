@@ -11,7 +11,7 @@ error without them), ``OFF`` never.  CMakeLists.txt follows the tag of the versi
 Used by
 * scikit-build-core ([[tool.dynamic-metadata]] in pyproject.toml): the version of the wheel; an
   sdist gets the release alone, since it builds against whichever torch installs it;
-* CMakeLists.txt when CMake runs alone (scripts/build_extension.sh):
+* CMakeLists.txt when CMake runs alone (scripts/gpu/build_extension.sh):
   ``python scripts/wheel_version.py --cuda ON|OFF`` prints the version for nt_kernels/_build_info.py.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The GPU-run tooling that can be exercised without a GPU: shell syntax of the
 scripts, the bundle's source hash, the Triton autotuning switch, the
-measurement / environment scripts on CPU (scripts/gpu_check.sh runs them on
-CUDA), a CPU dry run of scripts/gpu_check.sh and scripts/gpu_perf.sh (every
+measurement / environment scripts on CPU (scripts/gpu/gpu_check.sh runs them on
+CUDA), a CPU dry run of scripts/gpu/gpu_check.sh and scripts/gpu/gpu_perf.sh (every
 stage's commands on small CPU inputs, so that no shell or Python error waits
-for a GPU), and the Triton cache tooling of scripts/gpu_triton.py: kernels
+for a GPU), and the Triton cache tooling of scripts/gpu/gpu_triton.py: kernels
 compiled ahead for sm_90 without a GPU are cache hits for the real launches,
 also after the cache is packed and unpacked elsewhere; the fused layer's byte model
 (scripts/ntconv_bytes.py) against the row classes of tolokers and the figures the docs quote."""
@@ -17,12 +17,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHELL_SCRIPTS = ["gpu_check.sh", "gpu_perf.sh", "gpu_common.sh", "gpu_bundle.sh", "build_extension.sh",
-                 "cross_check.sh", "cuda_check.sh", "wheel_smoke.sh"]
+SHELL_SCRIPTS = ["gpu/gpu_check.sh", "gpu/gpu_perf.sh", "gpu/gpu_common.sh", "gpu/gpu_bundle.sh",
+                 "gpu/build_extension.sh", "cross_check.sh", "cuda_check.sh", "wheel_smoke.sh"]
 
 
 def run(args, env=None, **kwargs):
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def test_gpu_folder_table_matches_its_files_and_scripts_stay_short():
+    """scripts/gpu/README.md has one row per file of the folder and none for a file it lacks; no file
+    under scripts/ is longer than 300 lines (issue 42)."""
+    folder = ROOT / "scripts" / "gpu"
+    rows = set(re.findall(r"^\| `([^`]+)` \|", (folder / "README.md").read_text(), re.M))
+    files = {p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md" and p.suffix in (".py", ".sh")}
+    assert rows == files
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "scripts").rglob("*") if p.is_file() and p.suffix in (".py", ".sh")
+            for n in [len(p.read_text().splitlines())] if n > 300}
+    assert long == {}
 
 
 @pytest.mark.parametrize("script", SHELL_SCRIPTS)
@@ -32,7 +44,7 @@ def test_shell_syntax(script):
 
 
 def test_bundle_source_hash_is_stable():
-    first, second = (run(["bash", "scripts/gpu_bundle.sh", "--hash"]) for _ in range(2))
+    first, second = (run(["bash", "scripts/gpu/gpu_bundle.sh", "--hash"]) for _ in range(2))
     assert first.returncode == 0, first.stderr
     assert re.fullmatch(r"[0-9a-f]{16}\n", first.stdout)
     assert first.stdout == second.stdout
@@ -41,7 +53,7 @@ def test_bundle_source_hash_is_stable():
 def test_bundle_needs_gpu_python():
     """No interpreter is a default: without GPU_PYTHON the bundle stops at once and says what to set."""
     env = {k: v for k, v in os.environ.items() if k != "GPU_PYTHON"}
-    result = run(["bash", "scripts/gpu_bundle.sh"], env=env)
+    result = run(["bash", "scripts/gpu/gpu_bundle.sh"], env=env)
     assert result.returncode == 2 and "set GPU_PYTHON" in result.stderr, result.stderr
 
 
@@ -69,7 +81,7 @@ def test_triton_autotune_switch(value, expected):
 
 def test_roofline_script_on_cpu(tmp_path):
     out = tmp_path / "roofline.json"
-    result = run([sys.executable, "scripts/gpu_measure.py", "roofline", "--device", "cpu", "--edges", "3000",
+    result = run([sys.executable, "scripts/gpu/gpu_measure.py", "roofline", "--device", "cpu", "--edges", "3000",
                   "--heads", "2", "--head-dim", "8", "--reps", "2", "--warmup", "1", "--out", str(out)])
     assert result.returncode == 0, result.stderr
     doc = json.loads(out.read_text())
@@ -84,13 +96,13 @@ def test_roofline_skips_without_cuda(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("has a CUDA device")
-    result = run([sys.executable, "scripts/gpu_measure.py", "roofline", "--out", str(tmp_path / "r.json")])
+    result = run([sys.executable, "scripts/gpu/gpu_measure.py", "roofline", "--out", str(tmp_path / "r.json")])
     assert result.returncode == 0 and "SKIP (no CUDA device)" in result.stdout
 
 
 def test_env_script_on_cpu(tmp_path):
     out = tmp_path / "env.json"
-    result = run([sys.executable, "scripts/gpu_env.py", "--json", str(out)])
+    result = run([sys.executable, "scripts/gpu/gpu_env.py", "--json", str(out)])
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(out.read_text())
     assert doc["versions"]["torch"] and doc["extension"]["torch"]
@@ -99,7 +111,7 @@ def test_env_script_on_cpu(tmp_path):
 
 
 def shell_value(script: str, name: str) -> str:
-    match = re.search(rf"^\s*{name}=(\S+)", (ROOT / "scripts" / script).read_text(), re.M)
+    match = re.search(rf"^\s*{name}=(\S+)", (ROOT / "scripts" / "gpu" / script).read_text(), re.M)
     assert match, f"{name} not set in {script}"
     return match.group(1)
 
@@ -124,10 +136,10 @@ def dry_env(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def check_dry_run(tmp_path_factory):
-    """scripts/gpu_check.sh without a GPU (stages 1-3 and 5), once for the tests below."""
+    """scripts/gpu/gpu_check.sh without a GPU (stages 1-3 and 5), once for the tests below."""
     pytest.importorskip("triton")
     tmp = tmp_path_factory.mktemp("gpu-check")
-    result = run(["bash", "scripts/gpu_check.sh"], env=dry_env(tmp, "check"))
+    result = run(["bash", "scripts/gpu/gpu_check.sh"], env=dry_env(tmp, "check"))
     return tmp, result
 
 
@@ -165,17 +177,17 @@ def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
     moved = tmp_path / "moved-cache"
     for args in (["pack", str(cache), str(tmp_path / "cache.tar.gz"), "--log", str(log)],
                  ["unpack", str(tmp_path / "cache.tar.gz"), str(moved)]):
-        result = run([sys.executable, "scripts/gpu_triton.py", *args])
+        result = run([sys.executable, "scripts/gpu/gpu_triton.py", *args])
         assert result.returncode == 0, result.stderr
     for where in (cache, moved):
         consumer = tmp_path / f"{where.name}.jsonl"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(TRITON_CACHE_DIR=str(where), NT_KERNELS_TRITON_AUTOTUNE="0")
-        result = run([sys.executable, "-P", "scripts/gpu_triton.py", "worker", "--fake-target", "--log", str(consumer),
+        result = run([sys.executable, "-P", "scripts/gpu/gpu_triton.py", "worker", "--fake-target", "--log", str(consumer),
                       "--tag", "real", "--", "check", "--device", "cpu", "--dims", "8", "--dtypes", "float32",
                       "--suites", "exact"], env=env)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        counts = json.loads(run([sys.executable, "scripts/gpu_triton.py", "summary", str(consumer), "--json"]).stdout)
+        counts = json.loads(run([sys.executable, "scripts/gpu/gpu_triton.py", "summary", str(consumer), "--json"]).stdout)
         assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], (where, counts)
 
 
@@ -189,24 +201,24 @@ def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(cache), NT_KERNELS_TRITON_AUTOTUNE="0", NT_TRITON_LOG=str(replay_log),
                NT_TRITON_TAG="replay")
-    result = run([sys.executable, "-P", "scripts/gpu_triton.py", "replay", "--fake-target", "--shard", "0/1", str(log)],
+    result = run([sys.executable, "-P", "scripts/gpu/gpu_triton.py", "replay", "--fake-target", "--shard", "0/1", str(log)],
                  env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     specs = {json.loads(line)["spec"] for line in log.read_text().splitlines() if '"event": "spec"' in line}
     assert f"{len(specs)} of {len(specs)} specialisations compiled or found" in result.stdout and len(specs) >= 5
     consumer = tmp_path / "consumer.jsonl"
     env.pop("NT_TRITON_LOG")
-    result = run([sys.executable, "-P", "scripts/gpu_triton.py", "worker", "--fake-target", "--log", str(consumer),
+    result = run([sys.executable, "-P", "scripts/gpu/gpu_triton.py", "worker", "--fake-target", "--log", str(consumer),
                   "--tag", "real", "--", "check", "--device", "cpu", "--dims", "8", "--dtypes", "float32",
                   "--suites", "exact"], env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    counts = json.loads(run([sys.executable, "scripts/gpu_triton.py", "summary", str(consumer), "--json"]).stdout)
+    counts = json.loads(run([sys.executable, "scripts/gpu/gpu_triton.py", "summary", str(consumer), "--json"]).stdout)
     assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], counts
 
 
 def test_gpu_perf_dry_run(tmp_path):
     pytest.importorskip("triton")
-    result = run(["bash", "scripts/gpu_perf.sh"], env=dry_env(tmp_path, "perf"))
+    result = run(["bash", "scripts/gpu/gpu_perf.sh"], env=dry_env(tmp_path, "perf"))
     out = tmp_path / "perf-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-steps.log", "3-powerlaw.log",
@@ -223,21 +235,21 @@ def test_gpu_perf_dry_run(tmp_path):
     assert doc["powerlaw"]["results"][0]["status"] == "ok" and len(doc["powerlaw"]["results"][0]["step_ms_runs"]) == 2
     assert "== gpu_perf summary" in result.stdout and "layer tolokers: fused" in result.stdout
     ncu = (out / "6-ncu.log").read_text()  # the profiled program ran, and the fixture became tables
-    assert "SKIP ncu" in ncu and "gpu_ncu layer: tolokers fused on cpu" in ncu and "3 kernels" in ncu
+    assert "SKIP ncu" in ncu and "gpu_ncu layer: tolokers fused on cpu" in ncu and "3 launches" in ncu
 
 
 def test_fingerprint_and_compare(tmp_path):
     """The fingerprint names what Triton's cache key holds besides the kernel; --compare fails on a difference."""
     pytest.importorskip("triton")
     mine = tmp_path / "mine.json"
-    result = run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--out", str(mine)])
+    result = run([sys.executable, "scripts/gpu/gpu_triton.py", "fingerprint", "--out", str(mine)])
     assert result.returncode == 0, result.stderr
     doc = json.loads(mine.read_text())
     assert set(doc) == {"triton", "triton_key", "ptxas", "backend", "options", "env"}
-    assert run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--compare", str(mine)]).returncode == 0
+    assert run([sys.executable, "scripts/gpu/gpu_triton.py", "fingerprint", "--compare", str(mine)]).returncode == 0
     other = tmp_path / "other.json"
     other.write_text(json.dumps(dict(doc, triton_key="0" * 16)))
-    result = run([sys.executable, "scripts/gpu_triton.py", "fingerprint", "--compare", str(other)])
+    result = run([sys.executable, "scripts/gpu/gpu_triton.py", "fingerprint", "--compare", str(other)])
     assert result.returncode == 3 and "triton_key" in result.stdout
 
 

@@ -29,7 +29,7 @@ status 1 when a check fails.  ``--quick`` runs a subset (head dims 1, 9, 64;
 float32 and bfloat16) for CI.  ``--kernels-only`` runs every row's kernel
 calls (forward and backward) without the references or verdicts (rows read
 "skip"): it compiles exactly the Triton kernels a check launches, e.g. to
-fill Triton's cache ahead (scripts/gpu_triton.py warm).
+fill Triton's cache ahead (scripts/gpu/gpu_triton.py warm).
 """
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ class GpuTimer:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read plus written), as scripts/gpu_measure.py measures it."""
+    """Device-to-device copy bandwidth in GB/s (bytes read plus written), as scripts/gpu/gpu_measure.py measures it."""
     from triton.testing import do_bench
 
     src = torch.randn(1 << 28, device=device)

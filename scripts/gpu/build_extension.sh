@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Builds the compiled module nt_kernels._C and nt_kernels/_build_info.py with
 # CMake alone (no pip, no network) into BUILD_DIR and prints the module's path
-# last.  Used by scripts/gpu_check.sh on a GPU machine when the bundle's wheel
+# last.  Used by scripts/gpu/gpu_check.sh on a GPU machine when the bundle's wheel
 # is stale or does not import there (`make wheel` is the usual build).
 #
-#   bash scripts/build_extension.sh BUILD_DIR [CUDA_ARCHS]     (CUDA_ARCHS default: 90)
+#   bash scripts/gpu/build_extension.sh BUILD_DIR [CUDA_ARCHS]     (CUDA_ARCHS default: 90)
 #
 # Environment: PYTHON (default python3; its torch is built against),
 # NT_KERNELS_CUDA (default ON), JOBS (default: all cores).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 build=${1:?usage: build_extension.sh BUILD_DIR [CUDA_ARCHS]}
 archs=${2:-90}
 PYTHON=${PYTHON:-python3}

@@ -1,4 +1,4 @@
-"""GPU measurements of scripts/gpu_check.sh that `nt-kernels bench` does not make.
+"""GPU measurements of scripts/gpu/gpu_check.sh that `nt-kernels bench` does not make.
 
 ``roofline``: the exact path's forward on a graph of E packed rows whose
 segments all have 1..max_degree rows (every segment in packed tiles), timed

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-bundle`: everything scripts/gpu_check.sh and scripts/gpu_perf.sh need on a GPU machine
+# `make gpu-bundle`: everything scripts/gpu/gpu_check.sh and scripts/gpu/gpu_perf.sh need on a GPU machine
 # besides the working tree, in the git-ignored folder .gpu-bundle/ (<= 60 MiB):
 #
 #   .gpu-bundle/nt_kernels-<release>+pt<torch>cu<cuda>-<python>-linux_x86_64.whl   the CUDA wheel:
@@ -8,29 +8,29 @@
 #   .gpu-bundle/data/{tolokers,minesweeper}.npz, LICENCE.txt     the real graphs
 #   .gpu-bundle/manifest.json        versions, the wheel's name, the hash of csrc/ and CMakeLists.txt
 #   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
-#        Triton kernels of scripts/gpu_check.sh's warm workload (every check row's kernels), of
-#        scripts/gpu_perf.sh's training steps (both paths of the fused layer) and of
+#        Triton kernels of scripts/gpu/gpu_check.sh's warm workload (every check row's kernels), of
+#        scripts/gpu/gpu_perf.sh's training steps (both paths of the fused layer) and of
 #        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl),
 #        compiled for sm_90 here, with GPU_PYTHON's Triton and the wheel installed, through
-#        scripts/gpu_triton.py's compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the
+#        scripts/gpu/gpu_triton.py's compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the
 #        fingerprint of the GPU machine's Triton (its source hash, ptxas, default options,
 #        cache-invalidating environment) equals this one, else the kernels compile there as before
 #
 # GPU_PYTHON (required) is a Python with the GPU machine's Python and torch (the GPU image's: 3.12,
 # torch 2.11.0+cu130), in a venv of its own that also has the build tools (docs/results.md, "GPU:
 # how to run").  Then copy the working tree with .gpu-bundle/ to a GPU machine and run
-# `bash scripts/gpu_check.sh` or `bash scripts/gpu_perf.sh` in its root: they install the wheel
-# when the hash of csrc/ and CMakeLists.txt still matches (`bash scripts/gpu_bundle.sh --hash`)
+# `bash scripts/gpu/gpu_check.sh` or `bash scripts/gpu/gpu_perf.sh` in its root: they install the wheel
+# when the hash of csrc/ and CMakeLists.txt still matches (`bash scripts/gpu/gpu_bundle.sh --hash`)
 # and build the extension there otherwise.
 #
 # Environment: GPU_PYTHON (required), DATA_SRC (default $NT_KERNELS_DATA, else
 # ../shared/data/heterophilous), JOBS, TRITON_AOT (default 1; 0: no Triton cache).
-# `bash scripts/gpu_bundle.sh --triton-only` rebuilds only the Triton cache of an existing bundle
+# `bash scripts/gpu/gpu_bundle.sh --triton-only` rebuilds only the Triton cache of an existing bundle
 # (after a change of the Triton kernels; build/gpu-bundle-triton keeps every compiled kernel, so
 # only changed ones compile again).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-source scripts/gpu_common.sh  # source_hash, install_wheel; WARM_DIMS, WARM_DTYPES, WARM_SUITES
+cd "$(dirname "$0")/../.."
+source scripts/gpu/gpu_common.sh  # source_hash, install_wheel; WARM_DIMS, WARM_DTYPES, WARM_SUITES
 if [ "${1:-}" = "--hash" ]; then
   source_hash
   exit 0
@@ -64,20 +64,20 @@ triton_aot() {
   local cache=build/gpu-bundle-triton work=build/gpu-bundle-aot jobs=${JOBS:-$(nproc)} i records=() pids=()
   rm -rf "$work" && mkdir -p "$work/site" "$cache"
   install_wheel "$bundle"/nt_kernels-*.whl "$work/site"
-  # As on the GPU machine (scripts/gpu_common.sh): no interpreter, Triton's default fp fusion,
+  # As on the GPU machine (scripts/gpu/gpu_common.sh): no interpreter, Triton's default fp fusion,
   # one config per kernel; TRITON_STORE_BINARY_ONLY keeps only what a cache hit reads.
   local env=(env -u TRITON_INTERPRET -u TRITON_DEFAULT_FP_FUSION PYTHONPATH="$PWD/$work/site"
              TRITON_CACHE_DIR="$PWD/$cache" NT_KERNELS_TRITON_AUTOTUNE=0 TRITON_STORE_BINARY_ONLY=1
              NT_KERNELS_DATA="$(cd "$DATA_SRC" && pwd)")
   echo "gpu-bundle: Triton cache: warm workload (check --kernels-only --dims $WARM_DIMS) in $jobs processes"
-  (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu_triton.py" warm --fake-target --jobs "$jobs" \
+  (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" warm --fake-target --jobs "$jobs" \
     --tag aot --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 7200 -- check --device cpu --kernels-only \
     --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites "$WARM_SUITES")
-  # The training steps of scripts/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
+  # The training steps of scripts/gpu/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
   # fused layer's default path and on its opt-in recompute path.
   for recompute in 0 1; do
     echo "gpu-bundle: Triton cache: layer steps (NT_KERNELS_NTCONV_RECOMPUTE=$recompute)"
-    (cd "$work" && "${env[@]}" NT_KERNELS_NTCONV_RECOMPUTE=$recompute "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu_triton.py" \
+    (cd "$work" && "${env[@]}" NT_KERNELS_NTCONV_RECOMPUTE=$recompute "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" \
       warm --fake-target --jobs "$jobs" --tag "aot-layer$recompute" --log "$PWD/aot.jsonl" --out-dir "$PWD" \
       --timeout 3600 -- bench --layer --graph tolokers,minesweeper,powerlaw --device cpu --dtype bfloat16-autocast --in-process \
       --warmup 0 --repeats 1 --dry-run --out "$PWD/layer$recompute") \
@@ -88,16 +88,16 @@ triton_aot() {
     echo "gpu-bundle: Triton cache: specialisations logged on GPUs: ${records[*]}"
     for i in $(seq 0 $((jobs - 1))); do
       (cd "$work" && "${env[@]}" NT_TRITON_LOG="$PWD/aot.jsonl" NT_TRITON_TAG=replay "$GPU_PYTHON" -P \
-        "$OLDPWD/scripts/gpu_triton.py" replay --fake-target --shard "$i/$jobs" "${records[@]/#/$OLDPWD/}") &
+        "$OLDPWD/scripts/gpu/gpu_triton.py" replay --fake-target --shard "$i/$jobs" "${records[@]/#/$OLDPWD/}") &
       pids+=($!)
     done
     for i in "${pids[@]}"; do
       wait "$i" || echo "gpu-bundle: a replay process failed (those kernels compile on the GPU)"
     done
   fi
-  "$GPU_PYTHON" -P scripts/gpu_triton.py summary "$work/aot.jsonl"
-  "$GPU_PYTHON" -P scripts/gpu_triton.py pack "$cache" "$bundle/triton-cache.tar.gz" --log "$work/aot.jsonl"
-  "${env[@]}" "$GPU_PYTHON" -P scripts/gpu_triton.py fingerprint --out "$bundle/triton-fingerprint.json"
+  "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py summary "$work/aot.jsonl"
+  "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py pack "$cache" "$bundle/triton-cache.tar.gz" --log "$work/aot.jsonl"
+  "${env[@]}" "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py fingerprint --out "$bundle/triton-fingerprint.json"
 }
 
 if [ "$triton_only" = 0 ]; then

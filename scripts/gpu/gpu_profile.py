@@ -1,4 +1,4 @@
-"""Stage "layer" of scripts/gpu_perf.sh: where a training step's GPU time goes.
+"""Stage "layer" of scripts/gpu/gpu_perf.sh: where a training step's GPU time goes.
 
 For each variant (``fused``: every NTConv ``fused=True``; ``unfused``: ``fused=False``) of a
 bench graph's preset (default tolokers: gated_sum, 30 x 2 heads, 5 layers) under bf16
@@ -18,7 +18,7 @@ e.g. ``--variants fused,fused:recompute,fused:recompute:tc,unfused``.
 On a machine without CUDA (``--device cpu``, a dry run of the GPU script) the graphs are cut
 down (``build_graph(dry_run=True)``) and the table ranks CPU time instead.
 
-    python scripts/gpu_profile.py --graph tolokers --json perf-layer.json
+    python scripts/gpu/gpu_profile.py --graph tolokers --json perf-layer.json
 """
 from __future__ import annotations
 

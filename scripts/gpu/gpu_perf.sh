@@ -3,36 +3,36 @@
 # JSON (perf.json) and a printed table; every stage under its own limit, streaming its output
 # to $OUT as it runs.
 #
-# Copy the working tree with .gpu-bundle/ (`make gpu-bundle GPU_PYTHON=...`, scripts/gpu_bundle.sh) to
+# Copy the working tree with .gpu-bundle/ (`make gpu-bundle GPU_PYTHON=...`, scripts/gpu/gpu_bundle.sh) to
 # a GPU machine and run, in the tree's root (allow about 520 s; GPU_PERF names fewer stages for less):
 #
-#   bash scripts/gpu_perf.sh
-#   GPU_PERF=layer,roofline bash scripts/gpu_perf.sh
+#   bash scripts/gpu/gpu_perf.sh
+#   GPU_PERF=layer,roofline bash scripts/gpu/gpu_perf.sh
 #
 # Stages (GPU_PERF, a comma list; default layer,steps,powerlaw,roofline,op,ncu; stage 0 always runs;
 # they run in this order, each limited to leave the later selected stages their minimum):
 #   0 env       versions, the bundle's wheel installed, Triton's fingerprint and the bundle's Triton cache
 #   warm        (only when named) the Triton kernels of the layer and powerlaw stages compiled
-#               ahead in 8 processes (scripts/gpu_triton.py warm; powerlaw at 2M messages)
+#               ahead in 8 processes (scripts/gpu/gpu_triton.py warm; powerlaw at 2M messages)
 #   1 layer     tolokers training step (released preset; GPU_PERF_LAYER_GRAPHS, e.g.
 #               tolokers,minesweeper, for more graphs), bf16 autocast, each variant of
 #               GPU_PERF_LAYER_VARIANTS (default fused,fused:recompute,unfused: the fused layer on its
 #               default and on its opt-in recompute path, and unfused): 3 warm-up + 5 timed steps
 #               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
-#               each (scripts/gpu_profile.py)
+#               each (scripts/gpu/gpu_profile.py)
 #   2 steps     the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm
 #               step (sync debug mode "warn", each with its Python line), the whole step captured in a
-#               CUDA graph and replayed against eager steps (scripts/gpu_step_checks.py)
+#               CUDA graph and replayed against eager steps (scripts/gpu/gpu_step_checks.py)
 #   3 powerlaw  the 100M-message power-law graph, fused, bf16 autocast: 1 warm-up step, the
 #               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
 #   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
-#               (scripts/gpu_measure.py roofline)
+#               (scripts/gpu/gpu_measure.py roofline)
 #   6 ncu       Nsight Compute over one warm tolokers layer,
 #               forward + backward, per variant of GPU_NCU_VARIANTS (default fused,fused:recompute:tc: the
 #               default and the candidate path), the first with a 1 GiB copy and a cuBLAS GEMM for
-#               calibration (scripts/gpu_ncu.py layer); kernel replay, --clock-control none,
+#               calibration (scripts/gpu/gpu_ncu.py layer); kernel replay, --clock-control none,
 #               --import-source yes, --set detailed; the raw, details and source pages as CSV and
-#               the per-kernel tables (logs/ncu-tables.md: scripts/gpu_ncu.py table) in results.tar.gz
+#               the per-kernel tables (logs/ncu-tables.md: scripts/gpu/gpu_ncu.py table) in results.tar.gz
 #   5 op        `nt-kernels bench` on tolokers' Performer-path, then exact-path segments, H = 4,
 #               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
 #               backends: "fused,flex" costs about 25 s of FlexAttention compiling;
@@ -41,7 +41,7 @@
 #               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT)
 # Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
 # CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 520),
-# GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu_common.sh's.
+# GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu/gpu_common.sh's.
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
@@ -87,7 +87,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cuda:',
 stage_warm() {
   local device=cuda fake=() extra=(--messages 2000000)
   have_cuda || { device=cpu fake=(--fake-target) extra=(--dry-run); echo "SKIP CUDA: the warm for sm_90 without a GPU"; }
-  ntpy "$REPO/scripts/gpu_triton.py" warm --jobs "$( have_cuda && echo 8 || echo 2 )" --tag warm --out-dir "$WORK/logs" \
+  ntpy "$REPO/scripts/gpu/gpu_triton.py" warm --jobs "$( have_cuda && echo 8 || echo 2 )" --tag warm --out-dir "$WORK/logs" \
     --timeout "$(( STAGE_LIMIT - 5 ))" "${fake[@]}" -- bench --layer --graph tolokers,powerlaw --device "$device" \
     --dtype bfloat16-autocast --in-process --warmup 0 --repeats 1 "${extra[@]}" --out "$WORK/logs/warm-layer"
 }
@@ -99,7 +99,7 @@ stage_layer() {
   for graph in ${GPU_PERF_LAYER_GRAPHS//,/ }; do  # perf-layer.json for tolokers, perf-layer-<graph>.json else
     json=$WORK/json/perf-layer.json
     [ "$graph" = tolokers ] || json=$WORK/json/perf-layer-$graph.json
-    ntpy "$REPO/scripts/gpu_profile.py" --graph "$graph" "${args[@]}" --variants "$GPU_PERF_LAYER_VARIANTS" \
+    ntpy "$REPO/scripts/gpu/gpu_profile.py" --graph "$graph" "${args[@]}" --variants "$GPU_PERF_LAYER_VARIANTS" \
       --json "$json" || rc=1
   done
   return $rc
@@ -109,7 +109,7 @@ stage_steps() {
   local args=(--graph tolokers)
   have_cuda || { args=(--graph tolokers --device cpu --warmup 1 --steps 2)
                  echo "SKIP CUDA: compiles only, on CPU, graphs cut to 1,000 nodes"; }
-  ntpy "$REPO/scripts/gpu_step_checks.py" "${args[@]}" --json "$WORK/json/perf-steps.json"
+  ntpy "$REPO/scripts/gpu/gpu_step_checks.py" "${args[@]}" --json "$WORK/json/perf-steps.json"
 }
 
 stage_op() {
@@ -139,7 +139,7 @@ stage_op() {
 stage_roofline() {
   local args=(--device cuda)
   have_cuda || args=(--device cpu --edges 3000 --heads 2 --head-dim 8 --reps 2 --warmup 1)
-  ntpy "$REPO/scripts/gpu_measure.py" roofline "${args[@]}" --out "$WORK/json/perf-roofline.json"
+  ntpy "$REPO/scripts/gpu/gpu_measure.py" roofline "${args[@]}" --out "$WORK/json/perf-roofline.json"
 }
 
 stage_powerlaw() {
@@ -157,12 +157,12 @@ ncu_variant() {
   local profile=(--profile-from-start off --replay-mode kernel --clock-control none --import-source yes
                  --set detailed -f -o "$rep")
   mkdir -p "$dir" "$WORK/ncu-reports"
-  (cd "$WORK" && "$NCU" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu_ncu.py" metrics)" "$PY" -P \
-    "$REPO/scripts/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
+  (cd "$WORK" && "$NCU" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" metrics)" "$PY" -P \
+    "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ] && grep -qi "metric" "$dir/run-$label.log"; then
     echo "-- $variant: ncu refused the metric list (run-$label.log); again with the sections' metrics"
-    (cd "$WORK" && "$NCU" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu_ncu.py" layer --variant "$variant" "$@") \
+    (cd "$WORK" && "$NCU" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") \
       >>"$dir/run-$label.log" 2>&1
     rc=$?
   fi
@@ -182,8 +182,8 @@ stage_ncu() {
   if ! have_cuda; then
     echo "SKIP ncu (no CUDA device): the profiled program on CPU (graph cut down), then the tables from the"
     echo "committed CSV fixture (tests/data/ncu)"
-    ntpy "$REPO/scripts/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
-    ntpy "$REPO/scripts/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
+    ntpy "$REPO/scripts/gpu/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
+    ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
       | head -30
     return "${PIPESTATUS[0]}"
   fi
@@ -198,7 +198,7 @@ stage_ncu() {
     echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left"
     ncu_variant "$variant" "${calib[@]}" || rc=1
   done
-  ntpy "$REPO/scripts/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" | head -40 \
+  ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" | head -40 \
     || rc=1
   return $rc
 }
@@ -206,7 +206,7 @@ export -f stage_env stage_warm stage_layer stage_steps stage_op stage_roofline s
   install_site triton_cache_setup
 
 stage_done() {  # perf.json from every stage's JSON so far, and the table
-  STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu_perf_report.py" "$WORK" "$OUT/perf.json" \
+  STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu/gpu_perf_report.py" "$WORK" "$OUT/perf.json" \
     >"$WORK/logs/perf-table.txt" 2>&1 || echo "gpu_perf: could not write perf.json" >&2
 }
 

@@ -1,6 +1,6 @@
-"""perf.json and the printed table of scripts/gpu_perf.sh, from the JSON its stages wrote so far.
+"""perf.json and the printed table of scripts/gpu/gpu_perf.sh, from the JSON its stages wrote so far.
 
-    python scripts/gpu_perf_report.py WORK OUT_JSON     (env STAGES="name=status=seconds ...", TOTAL)
+    python scripts/gpu/gpu_perf_report.py WORK OUT_JSON     (env STAGES="name=status=seconds ...", TOTAL)
 
 Called after every stage, so a run stopped at any point still leaves perf.json with what finished.
 """

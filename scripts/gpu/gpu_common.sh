@@ -1,4 +1,4 @@
-# Shared by scripts/gpu_check.sh, scripts/gpu_perf.sh and scripts/gpu_bundle.sh (sourced, not
+# Shared by scripts/gpu/gpu_check.sh, scripts/gpu/gpu_perf.sh and scripts/gpu/gpu_bundle.sh (sourced, not
 # run): the work folders, the Python runner, the extension (the bundle's wheel installed, or built
 # here), the Triton cache with its compile log, and the stage runner that streams every stage's
 # output to $OUT.
@@ -9,7 +9,7 @@
 # GPU_CHECK_ALLOW_STALE=1 (install the bundle's wheel although csrc/ changed since
 # `make gpu-bundle`), GPU_SITE=installed (import the nt_kernels this Python already has instead
 # of installing the bundle's wheel: CPU dry runs).
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$REPO/gpu-out}
 PY=${GPU_PYTHON:-${GPU_CHECK_PYTHON:-python3}}
 BUNDLE=$REPO/.gpu-bundle
@@ -33,9 +33,9 @@ gpu_setup() {  # gpu_setup WORK: fresh work folders and the environment every pr
   export REPO OUT WORK PY BUNDLE PYTHONUNBUFFERED=1 PYTHONPATH="$WORK/site"
   [ -d "$BUNDLE/data" ] && export NT_KERNELS_DATA="$BUNDLE/data"
   export NT_KERNELS_TRITON_AUTOTUNE=0 TRITON_CACHE_DIR=${GPU_TRITON_CACHE:-$WORK/triton-cache}
-  export NT_TRITON_LOG="$WORK/logs/triton.jsonl" NT_GPU_SCRIPTS="$REPO/scripts"
+  export NT_TRITON_LOG="$WORK/logs/triton.jsonl" NT_GPU_SCRIPTS="$REPO/scripts/gpu"
   mkdir -p "$TRITON_CACHE_DIR"
-  # Every Python process logs the Triton kernels it loads (scripts/gpu_triton.py).
+  # Every Python process logs the Triton kernels it loads (scripts/gpu/gpu_triton.py).
   cat >"$WORK/site/sitecustomize.py" <<'PYEOF'
 import importlib.util, os
 if os.environ.get("NT_TRITON_LOG") and os.environ.get("NT_GPU_SCRIPTS"):
@@ -45,7 +45,7 @@ if os.environ.get("NT_TRITON_LOG") and os.environ.get("NT_GPU_SCRIPTS"):
     _spec.loader.exec_module(_module)
     _module.install_log_from_env()
 PYEOF
-  cp "$REPO/scripts/gpu_pytest_stream.py" "$WORK/site/"
+  cp "$REPO/scripts/gpu/gpu_pytest_stream.py" "$WORK/site/"
 }
 
 elapsed() { echo $(( $(date +%s) - START )); }
@@ -86,7 +86,7 @@ run_stage() {
     *) STATUS[$name]="failed($rc)" ;;
   esac
   SECONDS_USED[$name]=$(( $(date +%s) - t0 ))
-  ntpy "$REPO/scripts/gpu_triton.py" summary "$NT_TRITON_LOG" --label "$name" >>"$log" 2>&1
+  ntpy "$REPO/scripts/gpu/gpu_triton.py" summary "$NT_TRITON_LOG" --label "$name" >>"$log" 2>&1
   echo "== stage $number $name: ${STATUS[$name]} in ${SECONDS_USED[$name]} s" | tee -a "$log"
   stage_done "$name"
   pack
@@ -96,7 +96,7 @@ stage_done() { :; }  # the scripts redefine it (summary.json)
 stage_times() { for s in "${!STATUS[@]}"; do echo "$s=${STATUS[$s]}=${SECONDS_USED[$s]}"; done; }
 
 # source_hash: a hash of what the compiled extension is built from (csrc/, CMakeLists.txt); the
-# bundle's manifest records it (`bash scripts/gpu_bundle.sh --hash` prints it).
+# bundle's manifest records it (`bash scripts/gpu/gpu_bundle.sh --hash` prints it).
 source_hash() {
   (cd "$REPO" && find csrc CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
 }
@@ -149,7 +149,7 @@ build_extension() {  # with all cores, into $WORK/build (stage 1b)
   cd "$REPO" || return 1
   local bin
   bin=$("$PY" -c "import os, sys; print(os.path.dirname(sys.executable))")
-  PATH="$bin:$PATH:/usr/local/cuda/bin" PYTHON="$PY" JOBS=$(nproc) bash scripts/build_extension.sh "$WORK/build" 90 \
+  PATH="$bin:$PATH:/usr/local/cuda/bin" PYTHON="$PY" JOBS=$(nproc) bash scripts/gpu/build_extension.sh "$WORK/build" 90 \
     || return 1
   cp "$WORK"/build/_C*.so "$WORK/build/_build_info.py" "$WORK/site/nt_kernels/"
 }
@@ -159,14 +159,14 @@ build_extension() {  # with all cores, into $WORK/build (stage 1b)
 triton_cache_setup() {
   local aot="$BUNDLE/triton-cache.tar.gz" built="$BUNDLE/triton-fingerprint.json" compare=() rc
   [ -f "$built" ] && compare=(--compare "$built")
-  ntpy "$REPO/scripts/gpu_triton.py" fingerprint --out "$WORK/json/triton-fingerprint.json" "${compare[@]}"
+  ntpy "$REPO/scripts/gpu/gpu_triton.py" fingerprint --out "$WORK/json/triton-fingerprint.json" "${compare[@]}"
   rc=$?
   if [ ! -f "$aot" ]; then
     echo "triton cache: no ahead-of-time cache in the bundle (make gpu-bundle TRITON_AOT=1 builds one)"
   elif [ $rc -ne 0 ]; then
     echo "triton cache: the bundle's cache was built with another Triton stack (above): not unpacked, kernels compile here"
   else
-    ntpy "$REPO/scripts/gpu_triton.py" unpack "$aot" "$TRITON_CACHE_DIR" && echo ok >"$WORK/triton-aot"
+    ntpy "$REPO/scripts/gpu/gpu_triton.py" unpack "$aot" "$TRITON_CACHE_DIR" && echo ok >"$WORK/triton-aot"
   fi
   return 0
 }

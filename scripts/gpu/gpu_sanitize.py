@@ -1,4 +1,4 @@
-"""Small CUDA workloads for compute-sanitizer (issue 28; scripts/gpu_check.sh stage 5 runs them).
+"""Small CUDA workloads for compute-sanitizer (issue 28; scripts/gpu/gpu_check.sh stage 5 runs them).
 
 Two parts, each a forward and a backward, each checked against the CPU op on the same inputs so that a
 run under the sanitizer that finishes also says whether the numbers were right:
@@ -14,9 +14,9 @@ run under the sanitizer that finishes also says whether the numbers were right:
   bfloat16 and float16, and the tensor-core kernels (``=tc``): WMMA in bfloat16 / float16, 3xTF32 in
   float32.
 
-    compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/gpu_sanitize.py
-    python scripts/gpu_sanitize.py --device cpu          # a dry run on CPU: the CPU op, no CUDA kernel
-    TRITON_INTERPRET=1 python scripts/gpu_sanitize.py --device cpu   # the fused op's Triton code, interpreted
+    compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/gpu/gpu_sanitize.py
+    python scripts/gpu/gpu_sanitize.py --device cpu          # a dry run on CPU: the CPU op, no CUDA kernel
+    TRITON_INTERPRET=1 python scripts/gpu/gpu_sanitize.py --device cpu   # the fused op's Triton code, interpreted
 
 Exit status 1 when an output is not finite or differs from the CPU op in float32 (on the same rounded
 inputs) by more than TOLERANCE of its largest value.

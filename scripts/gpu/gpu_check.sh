@@ -5,12 +5,12 @@
 #
 # 1. On a machine without a GPU: `make gpu-bundle GPU_PYTHON=...` writes .gpu-bundle/ (git-ignored):
 #    the CUDA wheel built with the GPU machine's Python and torch, the real graphs and, with
-#    TRITON_AOT=1, a Triton cache for sm_90 compiled ahead (see scripts/gpu_bundle.sh).
+#    TRITON_AOT=1, a Triton cache for sm_90 compiled ahead (see scripts/gpu/gpu_bundle.sh).
 #    Dry run on a CPU (the CUDA stages print a SKIP line and run cut-down CPU versions of the
 #    same commands, so that no shell or Python error waits for the GPU; tests/test_gpu_scripts.py
-#    runs it):  GPU_SITE=installed bash scripts/gpu_check.sh
+#    runs it):  GPU_SITE=installed bash scripts/gpu/gpu_check.sh
 # 2. Copy the working tree with .gpu-bundle/ to a GPU machine and run, in the tree's root,
-#      bash scripts/gpu_check.sh
+#      bash scripts/gpu/gpu_check.sh
 #    (allow it about 300 s).  It installs the bundle's wheel (stage 1) and writes to $OUT (default
 #    ./gpu-out), each file as soon as it has something: 1-env.log 2-check.log 3-tests.log
 #    [4-bench.log] summary.json results.tar.gz.
@@ -22,18 +22,18 @@
 #            Triton's fingerprint against the bundle's cache, which is unpacked when they match
 #   2 check  2a warm: `nt-kernels check --kernels-only` over every row in one process per
 #            core, each compiling a different share of the distinct Triton specialisations into
-#            the shared TRITON_CACHE_DIR (scripts/gpu_triton.py: each kernel compiled once, in
+#            the shared TRITON_CACHE_DIR (scripts/gpu/gpu_triton.py: each kernel compiled once, in
 #            parallel, with the keys the real launches compute); 2b the check in 16 shards
 #            (by head dim, tolokers by dtype, the fused-layer suite by head dim), every row
 #            streamed to 2-check.log as it is computed, with its seconds
 #   3 tests  one pytest over the CUDA test files and every -m cuda test elsewhere (pytest-xdist,
-#            one worker per core, work stealing); scripts/gpu_pytest_stream.py writes one line
+#            one worker per core, work stealing); scripts/gpu/gpu_pytest_stream.py writes one line
 #            per test to 3-tests.log as it finishes (failure messages included); the files include
 #            tests/test_mutants.py, the mutation harness over the CUDA Performer and compiled Triton
 #   4 bench  only when asked (GPU_CHECK_STAGES=2,3,4; its own budget GPU_BENCH_BUDGET, 240 s):
-#            the op benchmarks of the first run (scripts/gpu_perf.sh is the performance probe)
+#            the op benchmarks of the first run (scripts/gpu/gpu_perf.sh is the performance probe)
 #   5 sanitize  (issue 28; its own budget GPU_SANITIZE_BUDGET, 150 s, after stages 1-3)
-#            compute-sanitizer's memcheck, racecheck and initcheck over scripts/gpu_sanitize.py: the fused
+#            compute-sanitizer's memcheck, racecheck and initcheck over scripts/gpu/gpu_sanitize.py: the fused
 #            op in 64-row chunks with Performer neighbourhoods and a hub, every buffer it allocates starting
 #            as NaN, and the three CUDA Performer implementations (SIMT; WMMA bf16/fp16; 3xTF32 fp32),
 #            each result checked against the CPU op; 5-sanitize.log has each tool's ERROR SUMMARY line
@@ -41,7 +41,7 @@
 # long compiling took; summary.json has the stage times, every failed check row and test, the
 # unfinished ones, and those counts.  Triton autotuning is pinned (NT_KERNELS_TRITON_AUTOTUNE=0).
 #
-# Environment (besides scripts/gpu_common.sh's): GPU_CHECK_STAGES (default 2,3,5; stage 1 always
+# Environment (besides scripts/gpu/gpu_common.sh's): GPU_CHECK_STAGES (default 2,3,5; stage 1 always
 # runs), GPU_CHECK_BUDGET, GPU_BENCH_BUDGET, GPU_SANITIZE_BUDGET, GPU_WORK (default /tmp/nt-gpu-check).
 set -uo pipefail   # no -e: a failing stage is recorded and the next one runs
 source "$(dirname "$0")/gpu_common.sh"
@@ -74,12 +74,12 @@ stage_env() {
   fi
   command -v nvcc >/dev/null && nvcc --version | tail -1
   install_site || { echo "extension: to be built (stage 1b)"; return 0; }
-  ntpy "$REPO/scripts/gpu_env.py" --json "$WORK/json/env.json" && echo ok >"$WORK/extension"
+  ntpy "$REPO/scripts/gpu/gpu_env.py" --json "$WORK/json/env.json" && echo ok >"$WORK/extension"
   triton_cache_setup
 }
 
 stage_build() {
-  build_extension && ntpy "$REPO/scripts/gpu_env.py" --json "$WORK/json/env.json" && echo ok >"$WORK/extension"
+  build_extension && ntpy "$REPO/scripts/gpu/gpu_env.py" --json "$WORK/json/env.json" && echo ok >"$WORK/extension"
   triton_cache_setup
 }
 
@@ -109,7 +109,7 @@ stage_check() {
   else
     echo "-- 2a warm (limit ${warm_limit} s, $jobs processes): check --kernels-only --dims $warm_dims" \
       "--dtypes $warm_dtypes --suites $warm_suites"
-    ntpy "$REPO/scripts/gpu_triton.py" warm --jobs "$jobs" --tag warm --out-dir "$WORK/logs" \
+    ntpy "$REPO/scripts/gpu/gpu_triton.py" warm --jobs "$jobs" --tag warm --out-dir "$WORK/logs" \
       --timeout "$warm_limit" "${fake[@]}" -- check --device "$DEVICE" --kernels-only --dims "$warm_dims" \
       --dtypes "$warm_dtypes" --suites "$warm_suites"
   fi
@@ -186,7 +186,7 @@ stage_bench() {
   bench_step 80 switch-h2-d32 "${bench[@]}" --heads 2 --head-dim 32 --dtype float32 --alphas 0.4 \
     --backends fused,parallel,by-size,partitioned,sequential --out "$out/switch-h2-d32.json"
   if have_cuda; then
-    bench_step 60 train-epoch "$REPO/scripts/gpu_measure.py" train-epoch --device cuda --dataset tolokers \
+    bench_step 60 train-epoch "$REPO/scripts/gpu/gpu_measure.py" train-epoch --device cuda --dataset tolokers \
       --epochs 3 --out "$WORK/json/train-epoch.json"
   fi
 }
@@ -195,7 +195,7 @@ stage_sanitize() {
   local tool tools=(memcheck racecheck initcheck) limit rc failed=0
   if ! have_cuda; then
     echo "SKIP compute-sanitizer (no CUDA device): the workloads on CPU (the CPU op), to catch script errors"
-    TRITON_INTERPRET=0 ntpy "$REPO/scripts/gpu_sanitize.py" --device cpu 2>&1 | grep -v "^  ok "
+    TRITON_INTERPRET=0 ntpy "$REPO/scripts/gpu/gpu_sanitize.py" --device cpu 2>&1 | grep -v "^  ok "
     return "${PIPESTATUS[0]}"
   fi
   if ! command -v compute-sanitizer >/dev/null; then
@@ -213,7 +213,7 @@ stage_sanitize() {
     shares_left=$(( shares_left - ${share[$tool]} ))
     echo "-- $tool (limit ${limit} s, parts ${order[$tool]})"
     (cd "$WORK" && timeout --kill-after=5 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-      "$PY" -P "$REPO/scripts/gpu_sanitize.py" --part "${order[$tool]}") >"$WORK/logs/sanitize-$tool.log" 2>&1
+      "$PY" -P "$REPO/scripts/gpu/gpu_sanitize.py" --part "${order[$tool]}") >"$WORK/logs/sanitize-$tool.log" 2>&1
     rc=$?
     grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$tool.log" | tail -5
     echo "-- $tool: exit $rc"
@@ -227,57 +227,8 @@ export -f stage_env stage_build stage_check check_shard stage_tests stage_bench 
 
 # ------------------------------------------------------------------- summary
 stage_done() {
-  STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" - "$WORK" "$OUT/summary.json" "$REPO/scripts" <<'PY' \
+  STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu/gpu_check_summary.py" "$WORK" "$OUT/summary.json" \
     || echo "gpu_check: could not write summary.json" >&2
-import glob, json, os, sys
-work, out, scripts = sys.argv[1:4]
-sys.path.insert(0, scripts)
-import gpu_triton
-stages = {}
-for line in os.environ["STAGES"].split():
-    name, status, seconds = line.split("=")
-    stages[name] = {"status": status, "seconds": int(seconds)}
-check = {"rows": 0, "passed": 0, "failed": [], "skipped": 0, "substituted_tolerance": 0, "unfinished": [],
-         "seconds_by_shard": {}}
-for path in sorted(glob.glob(f"{work}/json/check-*.json")):
-    doc = json.load(open(path))
-    shard = os.path.basename(path)[len("check-"):-len(".json")]
-    check["seconds_by_shard"][shard] = doc.get("seconds")
-    if not doc.get("finished"):
-        check["unfinished"].append(shard)
-    for r in doc["rows"]:
-        check["rows"] += 1
-        check["passed"] += r["status"] == "pass"
-        check["skipped"] += r["status"] == "skip"
-        check["substituted_tolerance"] += r.get("baseline", "").startswith("float32 x")
-        if r["status"] == "FAIL":
-            check["failed"].append(f"{r['path']} | {r['case']} | {r['dtype']} | D={r['dim']} | {r['worst']} "
-                                   f"{r['error']:.3e} > {r['tolerance']:.3e}")
-tests = {"collected": None, "outcomes": {}, "failed": [], "unfinished": [], "slowest": []}
-collected = f"{work}/json/tests-collected.txt"
-done = {}
-if os.path.exists(f"{work}/json/tests.jsonl"):
-    for line in open(f"{work}/json/tests.jsonl"):
-        r = json.loads(line)
-        done[r["id"]] = r
-        tests["outcomes"][r["outcome"]] = tests["outcomes"].get(r["outcome"], 0) + 1
-        if r["outcome"] == "failed":
-            tests["failed"].append(f"{r['id']}: {r.get('message', '')[:300]}")
-    tests["slowest"] = [f"{r['id']} {r['seconds']:.1f} s" for r in sorted(done.values(), key=lambda r: -r["seconds"])[:10]]
-if os.path.exists(collected):
-    ids = [line.strip() for line in open(collected) if line.strip()]
-    tests["collected"] = len(ids)
-    tests["unfinished"] = [i for i in ids if i not in done]
-records = gpu_triton.read_log([f"{work}/logs/triton.jsonl"])
-triton = {name: gpu_triton.counts(records, name) for name in ["warm", *stages]}
-env = json.load(open(f"{work}/json/env.json")) if os.path.exists(f"{work}/json/env.json") else {}
-sanitize = {}  # tool -> "ERROR SUMMARY: N errors" of its run, or None where it did not finish
-for path in sorted(glob.glob(f"{work}/logs/sanitize-*.log")):
-    lines = [line.strip() for line in open(path, errors="replace") if "ERROR SUMMARY" in line]
-    sanitize[os.path.basename(path)[len("sanitize-"):-len(".log")]] = lines[-1] if lines else None
-json.dump({"total_seconds": int(os.environ["TOTAL"]), "env": env, "stages": stages, "check": check, "tests": tests,
-           "sanitize": sanitize, "triton": triton}, open(out, "w"), indent=1)
-PY
 }
 
 # ------------------------------------------------------------------- run

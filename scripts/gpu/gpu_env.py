@@ -1,4 +1,4 @@
-"""Stage 1 of scripts/gpu_check.sh: versions, the device, the extension and the data, as text and JSON.
+"""Stage 1 of scripts/gpu/gpu_check.sh: versions, the device, the extension and the data, as text and JSON.
 
 Fails (exit 1) when nt_kernels or its compiled extension does not import, when
 torch has CUDA but the extension was built without it, or when a small CUDA

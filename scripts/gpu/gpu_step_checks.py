@@ -1,4 +1,4 @@
-"""Stage "steps" of scripts/gpu_perf.sh: issue 28's training-step targets that are not times.
+"""Stage "steps" of scripts/gpu/gpu_perf.sh: issue 28's training-step targets that are not times.
 
 On a bench graph's preset (default tolokers), fused layers, bf16 autocast, one process:
 
@@ -18,7 +18,7 @@ On a bench graph's preset (default tolokers), fused layers, bf16 autocast, one p
 On a machine without CUDA (a dry run of the GPU script) only step 1 runs, on the CPU
 with a cut-down graph; 2 and 3 are recorded as ``skipped``.
 
-    python scripts/gpu_step_checks.py --graph tolokers --json perf-steps.json
+    python scripts/gpu/gpu_step_checks.py --graph tolokers --json perf-steps.json
 """
 from __future__ import annotations
 

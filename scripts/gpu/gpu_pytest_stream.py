@@ -1,4 +1,4 @@
-"""pytest plugin of scripts/gpu_check.sh (``-p gpu_pytest_stream``): every test's outcome written as
+"""pytest plugin of scripts/gpu/gpu_check.sh (``-p gpu_pytest_stream``): every test's outcome written as
 the test finishes, so that a run killed at any point keeps what it did.
 
 * ``$GPU_TESTS_STREAM``: one line per test (seconds since the start, outcome, id, duration,
