@@ -979,6 +979,39 @@ def test_check_suite_runs(tmp_path):
     assert sum(r["status"] == "pass" for r in doc["rows"]) == 14  # 2 graphs x 6 aggregators, determinism, NaN
 
 
+TRITON_ROW = """
+import sys, torch
+from torch.library import register_kernel
+import nt_kernels
+from nt_kernels.apps import check
+from nt_kernels.apps.check_ntconv import accuracy_rows
+from nt_kernels.backends.triton import ntconv_op
+if torch.device(sys.argv[1]).type == "cpu":  # the Triton kernels (interpreter) serve the CPU op
+    for name, fn in (("ntconv_fwd", ntconv_op.ntconv_fwd), ("ntconv_bwd", ntconv_op.ntconv_bwd)):
+        register_kernel(f"nt_kernels::{name}", "cpu", fn)
+import argparse
+s = check.settings_from(argparse.Namespace(device=sys.argv[1], dims="1", dtypes="bfloat16", data_root=None,
+                                           quick=False, kernels_only=False))
+for row in accuracy_rows("exact: packed + multi-tile", "weighted_mean", "centre", 1, s):
+    print(row.status, row.worst, row.error, row.tolerance, row.note)
+"""
+
+
+def test_check_row_of_the_h200_run_passes_through_the_triton_kernels():
+    """The one check row the H200 run of 2026-11-27 failed (exact multi-tile segments, weighted_mean gated
+    by the centre, bf16, D = 1: the centre gradient at 1.22x its bound) through the fused op's Triton kernels
+    (the interpreter on CPU, in a subprocess so that the CPU op's registration stays the C++ kernel here).
+    A delta from O rounded to bf16 in the multi-tile dQ pass put it at 0.106; from P and dP, 0.016."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TRITON_ROW, DEVICE.type], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, worst, error, tolerance = done.stdout.split()[:4]
+    assert status == "pass", done.stdout
+
+
 def _spec_kernels(dtype):
     """The kernels of the fused layer launched with ``dtype`` operands (the sm_90 paths: 16-bit only)."""
     from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_project, ntconv_reduce,

@@ -184,8 +184,9 @@ stage_ncu() {
     echo "committed CSV fixture (tests/data/ncu)"
     ntpy "$REPO/scripts/gpu/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
     ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
-      | head -30
-    return "${PIPESTATUS[0]}"
+      >/dev/null || return 1
+    head -30 "$WORK/logs/ncu-tables.md"
+    return 0
   fi
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
   [ -n "$NCU" ] || { echo "SKIP ncu: not found"; return 1; }
@@ -198,8 +199,9 @@ stage_ncu() {
     echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left"
     ncu_variant "$variant" "${calib[@]}" || rc=1
   done
-  ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" | head -40 \
+  ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" >/dev/null \
     || rc=1
+  head -40 "$WORK/logs/ncu-tables.md" 2>/dev/null
   return $rc
 }
 export -f stage_env stage_warm stage_layer stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant \

@@ -6,10 +6,12 @@ import glob
 import hashlib
 import json
 import os
+import sys
 import tarfile
 import time
 
-from gpu_triton_warm import SM90
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_triton_warm import SM90  # noqa: E402
 
 CACHE_MARK = "@TRITON_CACHE@"  # group files in a packed cache name their files relative to it
 

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import time
 
-from gpu_triton import install_log, install_log_from_env, read_log, summarize
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # run with python -P, as the GPU scripts do
+from gpu_triton import install_log, install_log_from_env, read_log, summarize  # noqa: E402
 
 SM90 = dict(arch=90, warp_size=32, shared=232_448, sms=132)
 
@@ -126,7 +128,7 @@ def warm(args) -> int:
     procs = []
     for i in range(args.jobs):
         flags = ["-P"] + (["-S"] if sys.flags.no_site else [])  # as this process was started
-        cmd = [sys.executable, *flags, os.path.abspath(__file__), "worker", "--shard", f"{i}/{args.jobs}",
+        cmd = [sys.executable, *flags, os.path.join(HERE, "gpu_triton.py"), "worker", "--shard", f"{i}/{args.jobs}",
                "--tag", args.tag] + (["--log", args.log] if args.log else []) \
             + (["--fake-target"] if args.fake_target else []) + ["--", *args.command]
         out = open(os.path.join(args.out_dir, f"warm-{i}.log"), "w")
@@ -160,7 +162,7 @@ def replay(args) -> int:
         if r.get("event") == "spec" and r["spec"] not in seen:
             seen.add(r["spec"])
             specs.append(r)
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests")
+    tests = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests")
     if os.path.isdir(tests):  # kernels that the CUDA tests define (tests/test_*.py) replay too
         sys.path.append(tests)
     index, count = (int(x) for x in args.shard.split("/"))
