@@ -303,3 +303,26 @@ def test_cli_rejects_bad_layer_arguments(argv, message, tmp_path):
     with pytest.raises((SystemExit, ValueError), match=message):
         args.func(args)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("graph_name", ["tolokers", "powerlaw"])
+def test_released_variant_attends_as_the_op_does(graph_name):
+    """The "released" variant (the paper's released layer: Algorithm 1's padded groups, alpha = 0.4, masked)
+    computes every NTConv's attention as our op does (exact and Performer segments), so that the step it
+    times is the same model's; only where it is computed differs."""
+    from nt_kernels.csr import NeighbourhoodCSR
+
+    graph = layer_graphs.build_graph(graph_name, messages=None if graph_name == "tolokers" else 20_000, seed=0,
+                                     dry_run=True, device=torch.device("cpu"))
+    csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
+    torch.manual_seed(0)
+    model = layer._model(layer.PRESETS[graph_name], graph, fused=False, released=True).double()
+    conv = model.convs[0]
+    assert conv._attend.func is layer._released_attention
+    rows, heads, dim = csr.num_edges, conv.heads, conv.head_dim
+    q, k, v = (torch.randn(rows, heads, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    want = type(conv)._attend(conv, q, k, v, csr)
+    torch.testing.assert_close(conv._attend(q, k, v, csr), want, rtol=1e-9, atol=1e-9)
+    if graph_name == "powerlaw":
+        assert (torch.diff(csr.rowptr) > conv.threshold).any()  # Performer segments were compared too

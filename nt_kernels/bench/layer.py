@@ -46,6 +46,7 @@ docs/results.md: :mod:`nt_kernels.bench.layer_report`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -67,7 +68,9 @@ from nt_kernels.bench.layer_report import format_table, publish
 from nt_kernels.csr import NeighbourhoodCSR
 
 SCHEMA_VERSION = 1
-VARIANTS = ("fused", "unfused")
+VARIANTS = ("fused", "unfused", "released")
+DEFAULT_VARIANTS = ("fused", "unfused")
+RELEASED_ALPHA = 0.4  # the released code's partitioning (Algorithm 1)
 DTYPES = ("float32", "bfloat16-autocast")
 GRAPHS = ("tolokers", "minesweeper", "synthetic", "powerlaw")
 ALL_GRAPHS = ("tolokers", "minesweeper", "synthetic")  # 'all': the CPU set of issue 13
@@ -75,11 +78,25 @@ LEARNING_RATE = 1e-3
 
 
 # ------------------------------------------------------------------ worker
-def _model(preset: LayerPreset, graph: LayerGraph, fused: bool):
+def _model(preset: LayerPreset, graph: LayerGraph, fused: bool, released: bool = False):
+    """The preset's NT model; ``released``: unfused, every NTConv's attention computed as the paper's
+    released layer does (size split, Algorithm 1 groups with alpha = 0.4, each padded to its longest)."""
     from nt_kernels.nn import NT
 
-    return NT(graph.x.shape[1], preset.head_dim * preset.heads, preset.num_layers, int(graph.y.max()) + 1,
-              heads=preset.heads, dropout=preset.dropout, sep=preset.sep, aggr=preset.aggr, fused=fused)
+    model = NT(graph.x.shape[1], preset.head_dim * preset.heads, preset.num_layers, int(graph.y.max()) + 1,
+               heads=preset.heads, dropout=preset.dropout, sep=preset.sep, aggr=preset.aggr,
+               fused=fused and not released)
+    if released:
+        for conv in model.convs:
+            conv._attend = functools.partial(_released_attention, conv)
+    return model
+
+
+def _released_attention(conv, q, k, v, csr) -> torch.Tensor:
+    from nt_kernels.baselines.strategies import partitioned
+
+    return partitioned(q, k, v, csr.rowptr, projection=conv.projection, threshold=conv.threshold,
+                       alpha=RELEASED_ALPHA)
 
 
 def _step(model, optimizer, x, y, nodes, csr, autocast: bool) -> torch.Tensor:
@@ -119,7 +136,7 @@ def _setup(spec: dict, device: torch.device, entry: dict):
     csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
     graph.edge_index = None  # the CSR holds the edges from here on
     torch.manual_seed(s["seed"])
-    model = _model(preset, graph, fused=entry["fused"]).to(device).train()
+    model = _model(preset, graph, fused=entry["fused"], released=entry["variant"] == "released").to(device).train()
     threshold = model.convs[0].threshold if preset.num_layers else math.inf
     entry["graph"] = {"name": graph.name, "source": graph.source, "description": graph.description,
                       **graph_stats(csr, threshold),
@@ -288,7 +305,7 @@ def run_graph(name: str, args) -> dict:
 def summarize(results: list[dict]) -> dict:
     """Fused vs unfused: speed-up (unfused median step / fused), memory ratios (fused / unfused)."""
     by_variant = {entry["variant"]: entry for entry in results}
-    summary = {v: by_variant[v]["status"] if v in by_variant else "not run" for v in VARIANTS}
+    summary = {v: by_variant[v]["status"] if v in by_variant else "not run" for v in DEFAULT_VARIANTS}
     fused, unfused = by_variant.get("fused"), by_variant.get("unfused")
     if summary["fused"] == summary["unfused"] == "ok":
         summary["speedup"] = unfused["step_ms"] / fused["step_ms"]
@@ -303,7 +320,7 @@ def command_line(name: str, args) -> str:
     """The command that reproduces this graph's run (options at their default left out)."""
     parts = ["nt-kernels bench --layer", f"--graph {name}", f"--dtype {args.dtype}", f"--device {args.device}",
              f"--repeats {args.repeats}", f"--warmup {args.warmup}", f"--threads {torch.get_num_threads()}"]
-    if _variants(args.variants) != VARIANTS:
+    if _variants(args.variants) != DEFAULT_VARIANTS:
         parts.append(f"--variants {args.variants}")
     if args.messages is not None and _messages(name, args) is not None:
         parts.append(f"--messages {args.messages}")
@@ -353,7 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "steps it finished; --device, --threads, --seed, --memory-cap-gb (CPU workers' address-space cap), "
         "--in-process, --data-root, --out, --from-json and --plot (the layer block of results.md) apply")
     group.add_argument("--layer", action="store_true", help="measure NT training steps instead of the op")
-    group.add_argument("--variants", default=",".join(VARIANTS), help="comma list of fused, unfused")
+    group.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                       help="comma list of fused, unfused and released (unfused with the paper's released "
+                            "attention: Algorithm 1's padded groups, alpha = 0.4)")
     group.add_argument("--messages", type=int, default=None,
                        help=f"rows of the synthetic graphs (default: synthetic {SYNTHETIC_COPIES} x tolokers' "
                             f"messages, powerlaw {POWERLAW_MESSAGES:,})")

@@ -17,7 +17,8 @@
 #   1 layer     tolokers training step (released preset; GPU_PERF_LAYER_GRAPHS, e.g.
 #               tolokers,minesweeper, for more graphs), bf16 autocast, each variant of
 #               GPU_PERF_LAYER_VARIANTS (default fused,fused:recompute,unfused: the fused layer on its
-#               default and on its opt-in recompute path, and unfused): 3 warm-up + 5 timed steps
+#               default and on its opt-in recompute path, and unfused; "released" is the paper's released
+#               layer, unfused with Algorithm 1's padded groups): 3 warm-up + 5 timed steps
 #               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
 #               each (scripts/gpu/gpu_profile.py)
 #   2 steps     the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm

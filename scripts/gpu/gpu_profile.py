@@ -99,18 +99,18 @@ def switches(names: list[str]):
 
 def profile_variant(args, variant: str, device: torch.device) -> dict:
     base, *names = variant.split(":")
-    if base not in ("fused", "unfused"):
-        raise ValueError(f"--variants: {variant!r} must start with fused or unfused")
+    if base not in ("fused", "unfused", "released"):
+        raise ValueError(f"--variants: {variant!r} must start with fused, unfused or released")
     with switches(names):
-        return _profile(args, variant, base == "fused", device)
+        return _profile(args, variant, base == "fused", device, released=base == "released")
 
 
-def _profile(args, variant: str, fused: bool, device: torch.device) -> dict:
+def _profile(args, variant: str, fused: bool, device: torch.device, released: bool = False) -> dict:
     graph = build_graph(args.graph, messages=None, seed=0, device=device, dry_run=device.type != "cuda")
     csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
     graph.edge_index = None
     torch.manual_seed(0)
-    model = _model(PRESETS[args.graph], graph, fused=fused).to(device).train()
+    model = _model(PRESETS[args.graph], graph, fused=fused, released=released).to(device).train()
     model.prepare(csr, graph.x.shape[0])
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     autocast = args.dtype == "bfloat16-autocast"
@@ -164,7 +164,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graph", default="tolokers", choices=sorted(PRESETS))
     parser.add_argument("--variants", default="fused,unfused",
-                        help="comma list: fused or unfused, each with optional :recompute, :tc or :simt switches")
+                        help="comma list: fused, unfused or released (the paper's released attention), each "
+                             "with optional :recompute, :tc or :simt switches")
     parser.add_argument("--dtype", default="bfloat16-autocast", choices=("float32", "bfloat16-autocast"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=3)
