@@ -136,10 +136,11 @@ def dry_env(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def check_dry_run(tmp_path_factory):
-    """scripts/gpu/gpu_check.sh without a GPU (stages 1-3 and 5), once for the tests below."""
+    """scripts/gpu/gpu_check.sh without a GPU (stages 1-3 and 5), once for the tests below; the sanitize stage
+    beside stages 2-3, as it runs on CUDA (GPU_SANITIZE_PARALLEL=force)."""
     pytest.importorskip("triton")
     tmp = tmp_path_factory.mktemp("gpu-check")
-    result = run(["bash", "scripts/gpu/gpu_check.sh"], env=dry_env(tmp, "check"))
+    result = run(["bash", "scripts/gpu/gpu_check.sh"], env=dict(dry_env(tmp, "check"), GPU_SANITIZE_PARALLEL="force"))
     return tmp, result
 
 

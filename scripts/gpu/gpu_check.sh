@@ -1,19 +1,12 @@
 #!/usr/bin/env bash
-# GPU self-check (issues 11 and 22): every `nt-kernels check` row and every CUDA test, stages
-# 1-3 in at most 360 s from a bare machine (the issue's target is 240 s: the first H200 run showed the
-# CUDA tests alone need about 300 s on 16 workers), each result written to $OUT as soon as it exists.
-#
-# 1. On a machine without a GPU: `make gpu-bundle GPU_PYTHON=...` writes .gpu-bundle/ (git-ignored):
-#    the CUDA wheel built with the GPU machine's Python and torch, the real graphs and, with
-#    TRITON_AOT=1, a Triton cache for sm_90 compiled ahead (see scripts/gpu/gpu_bundle.sh).
-#    Dry run on a CPU (the CUDA stages print a SKIP line and run cut-down CPU versions of the
-#    same commands, so that no shell or Python error waits for the GPU; tests/test_gpu_scripts.py
-#    runs it):  GPU_SITE=installed bash scripts/gpu/gpu_check.sh
-# 2. Copy the working tree with .gpu-bundle/ to a GPU machine and run, in the tree's root,
-#      bash scripts/gpu/gpu_check.sh
-#    (allow it about 300 s).  It installs the bundle's wheel (stage 1) and writes to $OUT (default
-#    ./gpu-out), each file as soon as it has something: 1-env.log 2-check.log 3-tests.log
-#    [4-bench.log] summary.json results.tar.gz.
+# GPU self-check (issues 11, 22 and 42): every `nt-kernels check` row, every CUDA test and the three
+# compute-sanitizer tools in one command of at most GPU_CHECK_BUDGET (360 s) from a bare machine, each
+# result written to $OUT as soon as it exists: 1-env.log 2-check.log 3-tests.log 5-sanitize.log
+# summary.json results.tar.gz.  First `make gpu-bundle GPU_PYTHON=...` on a machine without a GPU (the
+# wheel, the graphs, the Triton cache for sm_90: scripts/gpu/gpu_bundle.sh), then, in the tree's root on
+# the GPU machine, `bash scripts/gpu/gpu_check.sh` (docs/results.md, "A 15-minute GPU run").  Dry run on
+# a CPU (CUDA stages print SKIP and run cut-down CPU versions; tests/test_gpu_scripts.py runs it):
+# GPU_SITE=installed bash scripts/gpu/gpu_check.sh
 #
 # Stages, each under its own limit inside one budget (GPU_CHECK_BUDGET, default 360 s, for
 # stages 1-3), each streaming to its log:
@@ -32,11 +25,14 @@
 #            tests/test_mutants.py, the mutation harness over the CUDA Performer and compiled Triton
 #   4 bench  only when asked (GPU_CHECK_STAGES=2,3,4; its own budget GPU_BENCH_BUDGET, 240 s):
 #            the op benchmarks of the first run (scripts/gpu/gpu_perf.sh is the performance probe)
-#   5 sanitize  (issue 28; its own budget GPU_SANITIZE_BUDGET, 150 s, after stages 1-3)
-#            compute-sanitizer's memcheck, racecheck and initcheck over scripts/gpu/gpu_sanitize.py: the fused
-#            op in 64-row chunks with Performer neighbourhoods and a hub, every buffer it allocates starting
-#            as NaN, and the three CUDA Performer implementations (SIMT; WMMA bf16/fp16; 3xTF32 fp32),
-#            each result checked against the CPU op; 5-sanitize.log has each tool's ERROR SUMMARY line
+#   5 sanitize  (issues 28, 42) compute-sanitizer's memcheck, racecheck and initcheck over
+#            scripts/gpu/gpu_sanitize.py: the fused op in 64-row chunks with Performer neighbourhoods and a
+#            hub, every buffer it allocates starting as NaN, and the three CUDA Performer implementations
+#            (SIMT; WMMA bf16/fp16; 3xTF32 fp32), each result checked against the CPU op; 5-sanitize.log
+#            has each tool's ERROR SUMMARY line.  On CUDA the three tools run at once, beside stages 2-3
+#            (3 cores; the tests take the rest), until the end of the budget (GPU_SANITIZE_BUDGET: seconds
+#            instead; GPU_SANITIZE_PARALLEL=0: after stage 3, one tool after another, 150 s; =force: beside
+#            them without CUDA too, as the dry run of tests/test_gpu_scripts.py does)
 # Each stage's log ends with how many Triton kernels it loaded, how many hit the cache and how
 # long compiling took; summary.json has the stage times, every failed check row and test, the
 # unfinished ones, and those counts.  Triton autotuning is pinned (NT_KERNELS_TRITON_AUTOTUNE=0).
@@ -141,7 +137,7 @@ stage_tests() {
   for f in $CUDA_TEST_FILES $(cd "$REPO/tests" && grep -l "mark.cuda" test_*.py); do
     [[ " ${files[*]} " == *" $REPO/tests/$f "* ]] || files+=("$REPO/tests/$f")
   done
-  ntpy -c "import xdist" 2>/dev/null && workers=(-n "$(nproc)" --dist worksteal)
+  ntpy -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-$(nproc)}" --dist worksteal)
   if ! have_cuda; then
     echo "SKIP CUDA tests (no CUDA device): the same pytest run on CPU over tests/test_segment_table.py"
     echo "and the -m cuda tests elsewhere (skipped without CUDA)"
@@ -202,11 +198,29 @@ stage_sanitize() {
     echo "SKIP compute-sanitizer: not on PATH"
     return 1
   fi
-  # The stage's time split over the tools left, in shares of 2:2:1 (initcheck, the fastest, last: the first
-  # H200 run finished it in 34 s and neither of the others in 33 s); memcheck and racecheck run the CUDA
-  # Performer first (its kernels share memory between threads), then the fused op.
+  # memcheck and racecheck run the CUDA Performer first (its kernels share memory between threads), then the
+  # fused op; initcheck the other way round.
   declare -A share=([memcheck]=2 [racecheck]=2 [initcheck]=1) order=([memcheck]=performer,fused
-                    [racecheck]=performer,fused [initcheck]=fused,performer)
+                    [racecheck]=performer,fused [initcheck]=fused,performer) pids=()
+  if [ "${GPU_SANITIZE_CONCURRENT:-0}" = 1 ]; then  # beside the check and the tests: one core per tool
+    for tool in "${tools[@]}"; do
+      limit=$(( SANITIZE_DEADLINE - $(date +%s) ))
+      echo "-- $tool (limit ${limit} s, parts ${order[$tool]}, concurrently)"
+      (cd "$WORK" && timeout --kill-after=5 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        "$PY" -P "$REPO/scripts/gpu/gpu_sanitize.py" --part "${order[$tool]}") >"$WORK/logs/sanitize-$tool.log" 2>&1 &
+      pids[$tool]=$!
+    done
+    for tool in "${tools[@]}"; do
+      wait "${pids[$tool]}"
+      rc=$?
+      grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$tool.log" | tail -5
+      echo "-- $tool: exit $rc"
+      [ "$rc" = 0 ] || failed=1
+    done
+    return $failed
+  fi
+  # One after the other: the stage's time split over the tools left, in shares of 2:2:1 (initcheck, the
+  # fastest, last: the first H200 run finished it in 34 s and neither of the others in 33 s).
   local shares_left=5
   for tool in "${tools[@]}"; do
     limit=$(( (SANITIZE_DEADLINE - $(date +%s)) * ${share[$tool]} / shares_left ))
@@ -248,6 +262,16 @@ have_cuda || echo "gpu_check: no CUDA device: dry run (CUDA stages print SKIP an
 if ! have_cuda; then export DEADLINE=$(( DEADLINE + 900 )); fi  # the dry run on a small CPU is not time-boxed
 
 selected() { [[ ",$GPU_CHECK_STAGES," == *",$1,"* ]]; }
+SANITIZE_PID=""
+if selected 5 && { have_cuda && [ "${GPU_SANITIZE_PARALLEL:-1}" = 1 ] || [ "${GPU_SANITIZE_PARALLEL:-}" = force ]; }; then
+  # The sanitizers beside the check and the tests (3 of the cores; the tests take the others), until the end
+  # of the budget (GPU_SANITIZE_BUDGET: seconds from now instead); status read back from the stage's log.
+  SANITIZE_DEADLINE=$DEADLINE
+  [ -n "${GPU_SANITIZE_BUDGET:-}" ] && SANITIZE_DEADLINE=$(( $(date +%s) + GPU_SANITIZE_BUDGET ))
+  export SANITIZE_DEADLINE GPU_SANITIZE_CONCURRENT=1 GPU_TEST_WORKERS=$(( $(nproc) > 6 ? $(nproc) - 3 : $(nproc) ))
+  (run_stage 5 sanitize $(( SANITIZE_DEADLINE - $(date +%s) + 15 )) stage_sanitize >/dev/null) &
+  SANITIZE_PID=$!
+fi
 selected 2 && run_stage 2 check "$(cap "$(have_cuda && echo 130 || echo 900)" 60)" stage_check
 selected 3 && run_stage 3 tests "$(cap 600 3)" stage_tests  # the rest of the budget
 if selected 4; then
@@ -255,7 +279,14 @@ if selected 4; then
   export BENCH_DEADLINE
   run_stage 4 bench $(( BENCH_DEADLINE - $(date +%s) + 15 )) stage_bench
 fi
-if selected 5; then
+if [ -n "$SANITIZE_PID" ]; then
+  wait "$SANITIZE_PID"
+  done_line=$(grep -E "^== stage 5 sanitize: " "$OUT/5-sanitize.log" | tail -1)
+  STATUS[sanitize]=$(echo "$done_line" | sed -E 's/^== stage 5 sanitize: (.*) in [0-9]+ s$/\1/')
+  SECONDS_USED[sanitize]=$(echo "$done_line" | sed -E 's/.* in ([0-9]+) s$/\1/')
+  stage_done sanitize
+  pack
+elif selected 5; then
   SANITIZE_DEADLINE=$(( $(date +%s) + ${GPU_SANITIZE_BUDGET:-150} ))
   export SANITIZE_DEADLINE
   run_stage 5 sanitize $(( SANITIZE_DEADLINE - $(date +%s) + 15 )) stage_sanitize

@@ -85,10 +85,12 @@ def main(argv=None) -> int:
         stages[name] = {"status": status, "seconds": int(seconds)}
     records = gpu_triton.read_log([f"{work}/logs/triton.jsonl"])
     env = json.load(open(f"{work}/json/env.json")) if os.path.exists(f"{work}/json/env.json") else {}
-    with open(out, "w") as f:
+    part = f"{out}.part.{os.getpid()}"  # then renamed: the sanitize stage may write it beside the others
+    with open(part, "w") as f:
         json.dump({"total_seconds": int(os.environ["TOTAL"]), "env": env, "stages": stages,
                    "check": check_rows(work), "tests": test_outcomes(work), "sanitize": sanitizer_runs(work),
                    "triton": {name: gpu_triton.counts(records, name) for name in ["warm", *stages]}}, f, indent=1)
+    os.replace(part, out)
     return 0
 
 

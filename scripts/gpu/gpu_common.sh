@@ -63,7 +63,8 @@ stream() {
 export -f elapsed have_cuda ntpy stream
 
 pack() {  # every JSON document and per-process log, repacked atomically
-  tar -czf "$OUT/results.tar.gz.part" -C "$WORK" json logs 2>/dev/null && mv "$OUT/results.tar.gz.part" "$OUT/results.tar.gz"
+  local part="$OUT/results.tar.gz.part.$BASHPID"  # its own: the sanitize stage may pack beside the others
+  tar -czf "$part" -C "$WORK" json logs 2>/dev/null && mv "$part" "$OUT/results.tar.gz"
 }
 
 # run_stage NUMBER NAME LIMIT_SECONDS FUNCTION: the function under `timeout` (it sees the limit
