@@ -29,7 +29,7 @@ Packed tile classes follow each architecture's shared memory as the launchers
 do (``packed_classes``).  Runs with Triton 3.6 (the GPU machines' version) and
 3.9.  Exit status 1 on failure.
 
-    python scripts/triton_check.py                          # sm_80, 89, 90; fp32, tf32 (float32 with allow_tf32) + bf16; head dims 8..256
+    python scripts/triton_check.py                          # sm_80, 89, 90; fp32, tf32, bf16; head dims 8..256
     python scripts/triton_check.py --block-d 64             # CI
     python scripts/triton_check.py --arch 90 --block-d 8,32 --candidates
 """

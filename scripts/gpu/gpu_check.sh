@@ -188,7 +188,7 @@ stage_bench() {
 }
 # ---------------------------------------------------------------- stage 5
 stage_sanitize() {
-  local tool tools=(memcheck racecheck initcheck) limit rc failed=0
+  local tool tools=(memcheck racecheck initcheck) limit failed=0
   if ! have_cuda; then
     echo "SKIP compute-sanitizer (no CUDA device): the workloads on CPU (the CPU op), to catch script errors"
     TRITON_INTERPRET=0 ntpy "$REPO/scripts/gpu/gpu_sanitize.py" --device cpu 2>&1 | grep -v "^  ok "
@@ -206,16 +206,12 @@ stage_sanitize() {
     for tool in "${tools[@]}"; do
       limit=$(( SANITIZE_DEADLINE - $(date +%s) ))
       echo "-- $tool (limit ${limit} s, parts ${order[$tool]}, concurrently)"
-      (cd "$WORK" && timeout --kill-after=5 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        "$PY" -P "$REPO/scripts/gpu/gpu_sanitize.py" --part "${order[$tool]}") >"$WORK/logs/sanitize-$tool.log" 2>&1 &
+      sanitize_tool "$tool" "$limit" "${order[$tool]}" &
       pids[$tool]=$!
     done
     for tool in "${tools[@]}"; do
       wait "${pids[$tool]}"
-      rc=$?
-      grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$tool.log" | tail -5
-      echo "-- $tool: exit $rc"
-      [ "$rc" = 0 ] || failed=1
+      sanitize_report "$tool" $? || failed=1
     done
     return $failed
   fi
@@ -226,21 +222,27 @@ stage_sanitize() {
     limit=$(( (SANITIZE_DEADLINE - $(date +%s)) * ${share[$tool]} / shares_left ))
     shares_left=$(( shares_left - ${share[$tool]} ))
     echo "-- $tool (limit ${limit} s, parts ${order[$tool]})"
-    (cd "$WORK" && timeout --kill-after=5 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-      "$PY" -P "$REPO/scripts/gpu/gpu_sanitize.py" --part "${order[$tool]}") >"$WORK/logs/sanitize-$tool.log" 2>&1
-    rc=$?
-    grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$tool.log" | tail -5
-    echo "-- $tool: exit $rc"
-    [ "$rc" = 0 ] || failed=1
+    sanitize_tool "$tool" "$limit" "${order[$tool]}"
+    sanitize_report "$tool" $? || failed=1
   done
   return $failed
 }
 
-export -f stage_env stage_build stage_check check_shard stage_tests stage_bench bench_step left cap install_site \
-  build_extension triton_cache_setup stage_sanitize
+sanitize_tool() {  # sanitize_tool TOOL LIMIT PARTS: compute-sanitizer over gpu_sanitize.py, logged
+  (cd "$WORK" && timeout --kill-after=5 "$2" compute-sanitizer --tool "$1" --error-exitcode 3 \
+    "$PY" -P "$REPO/scripts/gpu/gpu_sanitize.py" --part "$3") >"$WORK/logs/sanitize-$1.log" 2>&1
+}
 
-# ------------------------------------------------------------------- summary
-stage_done() {
+sanitize_report() {  # sanitize_report TOOL EXIT: its summary lines; fails unless EXIT is 0
+  grep -E "ERROR SUMMARY|gpu_sanitize:|FAIL|Device not supported" "$WORK/logs/sanitize-$1.log" | tail -5
+  echo "-- $1: exit $2"
+  [ "$2" = 0 ]
+}
+
+export -f stage_env stage_build stage_check check_shard stage_tests stage_bench bench_step left cap install_site \
+  build_extension triton_cache_setup stage_sanitize sanitize_tool sanitize_report
+
+stage_done() {  # summary.json
   STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu/gpu_check_summary.py" "$WORK" "$OUT/summary.json" \
     || echo "gpu_check: could not write summary.json" >&2
 }

@@ -226,6 +226,19 @@ def load_rows(ptr, offs, valid, d, D):
 
 
 @triton.jit
+def key_block(q, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale,
+              BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    """Key block j0 of a multi-tile segment against a query block: its keys, values, which of them are in
+    the segment, and the scaled scores S = Q Kᵀ (base-2)."""
+    kj = j0 + tl.arange(0, BLOCK_N)
+    k_valid = kj < n
+    kv_offs = (start + kj) * (H * D) + h * D
+    k = load_rows(k_ptr, kv_offs, k_valid, d, D)
+    v = load_rows(v_ptr, kv_offs, k_valid, d, D)
+    return k, v, k_valid, mm(q, tl.trans(k), DOT_PREC, BF16_EMU) * qk_scale
+
+
+@triton.jit
 def nonfinite_rows(x):
     """1 for rows holding a NaN or infinity, else 0."""
     bad = tl.abs(x.to(tl.float32)) < float("inf")

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, LSE_UNALIGNED,
-                                               Spec, block_d, cast, exact_launches, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, packed_rows, packed_spec, segment_any)
+                                               Spec, block_d, cast, exact_launches, finite_or_zero, key_block, launch,
+                                               load_rows, meta_args, mm, nonfinite_rows, packed_rows, packed_spec,
+                                               segment_any)
 from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
@@ -92,6 +93,15 @@ def multi_block(plan, tab, w, H, BLOCK: tl.constexpr):
     return start, n, rows
 
 
+@triton.jit
+def _dq_key_block(q, do, lse, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale,
+                  BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+    """Key block j0 of a query block: its keys, P = exp2(S - lse) (0 past the segment) and dP = dO Vᵀ."""
+    k, v, k_valid, s = key_block(q, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale, BLOCK_N, DOT_PREC, BF16_EMU)
+    p = tl.where(k_valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    return k, p, mm(do, tl.trans(v), DOT_PREC, BF16_EMU)
+
+
 @triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                    plan, H, D, scale, qk_scale,
@@ -114,29 +124,18 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
             # rounded to its dtype (at D = 1 that rounding alone put dQ's bf16 error at 2x PyTorch's).
             delta = tl.zeros([BLOCK_M], tl.float32)
             for j0 in range(0, n, BLOCK_N):
-                kj = j0 + tl.arange(0, BLOCK_N)
-                k_valid = kj < n
-                kv_offs = (start + kj) * (H * D) + h * D
-                k = load_rows(k_ptr, kv_offs, k_valid, d, D)
-                v = load_rows(v_ptr, kv_offs, k_valid, d, D)
-                s = mm(q, tl.trans(k), DOT_PREC, BF16_EMU) * qk_scale
-                p = tl.where(k_valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-                delta += tl.sum(p * mm(do, tl.trans(v), DOT_PREC, BF16_EMU), axis=1)
+                _, p, dp = _dq_key_block(q, do, lse, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale,
+                                         BLOCK_N, DOT_PREC, BF16_EMU)
+                delta += tl.sum(p * dp, axis=1)
         else:
             o = load_rows(o_ptr, q_offs, q_valid, d, D)
             delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
         tl.store(delta_ptr + (start + qi) * H + h, delta, mask=q_valid)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # Step 2: dQ += dS K over the segment's key blocks.
+        # Step 2: dQ += dS K over the segment's key blocks, dS = P * (dP - delta).
         for j0 in range(0, n, BLOCK_N):
-            kj = j0 + tl.arange(0, BLOCK_N)
-            k_valid = kj < n
-            kv_offs = (start + kj) * (H * D) + h * D
-            k = load_rows(k_ptr, kv_offs, k_valid, d, D)
-            v = load_rows(v_ptr, kv_offs, k_valid, d, D)
-            s = mm(q, tl.trans(k), DOT_PREC, BF16_EMU) * qk_scale
-            p = tl.where(k_valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
-            dp = mm(do, tl.trans(v), DOT_PREC, BF16_EMU)
+            k, p, dp = _dq_key_block(q, do, lse, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale,
+                                     BLOCK_N, DOT_PREC, BF16_EMU)
             ds = p * (dp - delta[:, None])
             dq += mm(cast(ds, k.dtype, BF16_EMU), k, DOT_PREC, BF16_EMU)
         store_rows(dq_ptr, q_offs, q_valid, d, D, dq * scale, BF16_EMU)

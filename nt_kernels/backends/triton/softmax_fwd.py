@@ -24,8 +24,9 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, LSE_UNALIGNED,
-                                               Spec, block_d, cast, exact_launches, finite_or_zero, launch, load_rows,
-                                               meta_args, mm, nonfinite_rows, packed_rows, packed_spec, segment_any)
+                                               Spec, block_d, cast, exact_launches, finite_or_zero, key_block, launch,
+                                               load_rows, meta_args, mm, nonfinite_rows, packed_rows, packed_spec,
+                                               segment_any)
 from nt_kernels.backends.triton.packed_heads import _fwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
@@ -86,12 +87,8 @@ def _fwd_multi_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # Step 2: online softmax over the segment's key blocks.
         for j0 in range(0, n, BLOCK_N):
-            kj = j0 + tl.arange(0, BLOCK_N)
-            k_valid = kj < n
-            kv_offs = (start + kj) * (H * D) + h * D
-            k = load_rows(k_ptr, kv_offs, k_valid, d, D)
-            v = load_rows(v_ptr, kv_offs, k_valid, d, D)
-            s = mm(q, tl.trans(k), DOT_PREC, BF16_EMU) * qk_scale
+            k, v, k_valid, s = key_block(q, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale, BLOCK_N, DOT_PREC,
+                                         BF16_EMU)
             s = tl.where(k_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
