@@ -41,15 +41,17 @@ class MiniBatchEpoch:
     ``DistributedSampler`` (a world of one shuffles them all); each batch is a
     NeighborLoader subgraph, the loss is the cross entropy on its
     ``batch.batch_size`` seed rows.  ``model`` may be DDP-wrapped, which
-    averages the gradients of the ranks in ``backward``.
+    averages the gradients of the ranks in ``backward``.  ``autocast``: the dtype
+    of ``torch.autocast`` around forward and loss, or None.  The steps are eager
+    (every batch has another shape: no CUDA graph).
     """
 
     def __init__(self, data: Data, seeds: torch.Tensor, num_neighbors, batch_size: int, world: World, seed: int,
-                 device):
+                 device, *, autocast: torch.dtype | None = None):
         self.sampler = shard_sampler(seeds.numel(), world, seed)
         self.loader = nt_loader(data, num_neighbors, batch_size=batch_size, input_nodes=seeds.cpu(),
                                 sampler=self.sampler)
-        self.device = device
+        self.device, self.autocast = torch.device(device), autocast
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -61,8 +63,10 @@ class MiniBatchEpoch:
         for batch in self.loader:
             batch = batch.to(self.device)
             optimizer.zero_grad()
-            logits = model(batch.x, batch.edge_index)[:batch.batch_size]
-            loss = F.cross_entropy(logits, batch.y[:batch.batch_size])
+            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                logits = model(batch.x, batch.edge_index)[:batch.batch_size]
+                loss = F.cross_entropy(logits, batch.y[:batch.batch_size])
             loss.backward()
             optimizer.step()
             total = total + loss.detach() * batch.batch_size
