@@ -58,7 +58,7 @@ def roc_auc_tensor(labels: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     tensor on their device (NaN without both classes), computed with no host read: the mean rank of each
     score is found with ``searchsorted`` on the sorted scores (static shapes, no ``unique``)."""
     labels = labels.flatten().bool()
-    scores = scores.detach().double().flatten()
+    scores = scores.detach().double().flatten().contiguous()
     ordered = torch.sort(scores).values
     below = torch.searchsorted(ordered, scores, right=False).double()
     upto = torch.searchsorted(ordered, scores, right=True).double()
@@ -163,9 +163,8 @@ class HostReads(TorchDispatchMode):
         if name in _MASK_INDEX_OPS:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if on_device and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(indices)):
-                self._refuse(f"indexes with a boolean mask ({name}: its output size counts the mask's true "
-                             "entries on the host); index with the positions instead (mask.nonzero() once, "
-                             "outside the step)")
+                self._refuse(f"indexes with a boolean mask ({name} counts the mask's true entries on the "
+                             "host); index with the positions instead (mask.nonzero() once, outside the step)")
             return
         if on_device and torch.Tag.data_dependent_output in func.tags:
             self._refuse(f"reads a device value on the host ({name}'s result is a host value)")
