@@ -263,7 +263,7 @@ class _Static:
 
 
 def _check_flag(owner: str, name: str, value) -> None:
-    if value not in (None, True, False):
+    if value is not None and not isinstance(value, bool):
         raise ValueError(f"{owner}: {name} must be None, True or False, got {value!r}")
 
 

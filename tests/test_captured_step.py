@@ -36,6 +36,7 @@ MODELS = {
     "NT-composition": lambda dropout: NT(8, 8, 2, 3, heads=2, dropout=dropout, aggr="sum", fused=False),
     "DirNT-conv-dropout": dirnt_with_conv_dropout,
     "NTStar-local": lambda dropout: NTStar(8, 8, 3, 2, 1, heads=2, dropout=dropout, aggr="gated_sum"),
+    "NT-checkpoint": lambda dropout: NT(8, 8, 2, 3, heads=2, dropout=dropout, sep=True, checkpoint=True),
 }
 OPTIMIZERS = {
     "Adam": lambda params: torch.optim.Adam(params, lr=1e-2),
@@ -227,13 +228,13 @@ def test_capture_true_needs_cuda():
 
 
 @pytest.mark.parametrize("request_, device, minibatch, world, expect", [
-    (None, "cpu", False, 1, (False, "eager steps: CUDA graphs need a CUDA device, the run is on cpu")),
-    (None, "cuda", False, 1, (True, "on: the training step and the evaluation forward are captured in CUDA graphs")),
-    (None, "cuda", True, 1, (False, "eager steps: NeighborLoader mini-batches (--batch-size) give every batch "
-                                    "another shape")),
-    (None, "cuda", True, 2, (False, "eager steps: data-parallel ranks (torchrun) all-reduce gradients from DDP's "
-                                    "Python hooks during backward, which a graph cannot replay")),
-    (False, "cuda", False, 1, (False, "off (--cuda-graph off): eager steps")),
+    (None, "cpu", False, 1, (False, "not used, eager steps: CUDA graphs need a CUDA device, the run is on cpu")),
+    (None, "cuda", False, 1, (True, "the training step and the evaluation forward are captured and replayed")),
+    (None, "cuda", True, 1, (False, "not used, eager steps: NeighborLoader mini-batches (--batch-size) give "
+                                    "every batch another shape")),
+    (None, "cuda", True, 2, (False, "not used, eager steps: data-parallel ranks (torchrun) all-reduce gradients "
+                                    "from DDP's Python hooks during backward, which a graph cannot replay")),
+    (False, "cuda", False, 1, (False, "off (--cuda-graph off), eager steps")),
 ], ids=["auto-cpu", "auto-cuda", "auto-minibatch", "auto-ddp", "off"])
 def test_when_train_captures(request_, device, minibatch, world, expect):
     assert capture_decision(request_, device, minibatch=minibatch, world_size=world) == expect

@@ -8,7 +8,7 @@ depends on values (``nonzero``, ``unique``, ...), boolean-mask indexing and
 whole step of ``nt-kernels train`` -- the training step (forward, loss,
 backward, Adam as it runs on CUDA: fused and capturable), the evaluation
 forward and both scores -- runs under it here, for NT (fused and composition),
-DirNT and NT*'s local stage, two-class (ROC-AUC) and multi-class (accuracy)
+DirNT and NT*'s local stage (also with their node-level blocks checkpointed), two-class (ROC-AUC) and multi-class (accuracy)
 labels, float32 and bf16 autocast.  The one host read of an epoch
 (:func:`nt_kernels.apps.fullbatch.read_epoch`) comes after it.  What this
 cannot see: syncs inside a kernel's own implementation (a CUDA library
@@ -85,6 +85,8 @@ MODELS = {
     "NTStar-local-fused": lambda classes: star(classes=classes, aggr="sum"),
     "NTStar-local-composition": lambda classes: star(classes=classes, aggr="weighted_mean", gate_group="centre",
                                                      fused=False),
+    "NT-checkpoint": lambda classes: NT(8, 8, 2, classes, heads=2, dropout=0.2, sep=True, checkpoint=True),
+    "NTStar-local-checkpoint": lambda classes: star(classes=classes, aggr="sum", checkpoint=True),
 }
 
 

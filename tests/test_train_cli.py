@@ -33,7 +33,8 @@ def test_train_cli_writes_json(tmp_path, backend, fused, capsys):
     assert all(r["epochs"] <= 3 for r in result["splits"]) and 0 <= result["test_mean"] <= 1
     printed = capsys.readouterr().out
     assert "roman-empire: test accuracy" in printed
-    assert "roman-empire split 0: CUDA graph eager steps: CUDA graphs need a CUDA device, the run is on cpu" in printed
+    assert ("roman-empire split 0 CUDA graph: not used, eager steps: CUDA graphs need a CUDA device, the run is on "
+            "cpu") in printed
     bad = parse(["train", "--dataset", "roman-empire", "--data-root", str(tmp_path), "--splits", "5"])
     with pytest.raises(ValueError, match=r"train: --splits must name split ids in 0\.\.2, got '5'"):
         bad.func(bad)

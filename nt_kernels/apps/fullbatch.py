@@ -40,7 +40,7 @@ def capture_decision(cuda_graph: bool | None, device, *, minibatch: bool, world_
     """(capture?, why) for ``--cuda-graph`` (``None`` = auto) on ``device``; ``True`` where capture is impossible
     is a ``ValueError`` naming the reason."""
     if cuda_graph is False:
-        return False, "off (--cuda-graph off): eager steps"
+        return False, "off (--cuda-graph off), eager steps"
     reason = None
     if torch.device(device).type != "cuda":
         reason = f"CUDA graphs need a CUDA device, the run is on {device}"
@@ -50,10 +50,10 @@ def capture_decision(cuda_graph: bool | None, device, *, minibatch: bool, world_
     elif minibatch:
         reason = "NeighborLoader mini-batches (--batch-size) give every batch another shape"
     if reason is None:
-        return True, "on: the training step and the evaluation forward are captured in CUDA graphs"
+        return True, "the training step and the evaluation forward are captured and replayed"
     if cuda_graph:
         raise ValueError(f"train: --cuda-graph on, but {reason}; use --cuda-graph auto or off")
-    return False, f"eager steps: {reason}"
+    return False, f"not used, eager steps: {reason}"
 
 
 def make_optimizer(model: nn.Module, lr: float, device, capture: bool) -> torch.optim.Optimizer:
@@ -158,7 +158,7 @@ class FullBatch:
                 if self.required:
                     raise
                 self.capture, self._step = False, None
-                self.note = f"eager steps: the capture was refused ({exc})"
+                self.note = f"not used, eager steps: the capture was refused: {exc}"
         if self._step is not None:
             return self._step(self.x, self.graph, target=self.train_y)
         optimizer.zero_grad()

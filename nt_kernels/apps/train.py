@@ -160,7 +160,7 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         clock.stop()
         loss, val_score, test_score = read_epoch(loss, *full.evaluate())  # the epoch's one host read
         if epoch == first and log is not None:
-            log(f"{data.name} split {split}: CUDA graph {full.note}")
+            log(f"{data.name} split {split} CUDA graph: {full.note}")
         losses.append(loss)
         train_seconds += clock.seconds()
         epochs_run += 1
