@@ -90,17 +90,17 @@ def test_the_default_checkpoints_where_the_memory_model_says_it_pays(monkeypatch
     model = NT(8, 8, 2, 3, heads=2, sep=True).train()
     x = DATA.x
     saving = model.checkpoint_saving(x.shape[0])
-    assert not model._checkpointing(x)  # 120 nodes: a few hundred KB
+    assert not model.uses_checkpoint(x)  # 120 nodes: a few hundred KB
     monkeypatch.setattr(ckpt, "CHECKPOINT_MIN_BYTES", saving)
-    assert model._checkpointing(x)
+    assert model.uses_checkpoint(x)
     with torch.no_grad():
-        assert not model._checkpointing(x)  # nothing to keep without autograd
-    assert not model.eval()._checkpointing(x)
+        assert not model.uses_checkpoint(x)  # nothing to keep without autograd
+    assert not model.eval().uses_checkpoint(x)
     model.train().checkpoint = False
-    assert not model._checkpointing(x)
+    assert not model.uses_checkpoint(x)
     monkeypatch.setattr(ckpt, "CHECKPOINT_MIN_BYTES", saving + 1)
     model.checkpoint = True
-    assert model._checkpointing(x)
+    assert model.uses_checkpoint(x)
 
 
 @pytest.mark.parametrize("model, kwargs, mib, on", [

@@ -53,7 +53,7 @@ class ConvStack(nn.Module):
         check_checkpoint(type(self).__name__, value)
         self._checkpoint = value
 
-    def _checkpointing(self, x: torch.Tensor) -> bool:
+    def uses_checkpoint(self, x: torch.Tensor) -> bool:
         """Whether this forward checkpoints its node-level blocks (:func:`nt_kernels.nn.checkpoint.decide`)."""
         def saving() -> int:
             parameter = next(self.parameters()).dtype
@@ -137,7 +137,7 @@ class NT(ConvStack):
     def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NT", x, self.in_channels)
         csr = self._graphs("NT", edge_index, x.shape[0])
-        ckpt = self._checkpointing(x)
+        ckpt = self.uses_checkpoint(x)
         x = checkpointed(functools.partial(run_blocks, self.encoder), x) if ckpt else self.encoder(x)
         for index in range(self.num_layers):
             x = self.block(index, x, csr, edge_attr, checkpoint=ckpt)

@@ -184,7 +184,7 @@ class NTStar(ConvStack):
     def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NTStar", x, self.in_channels)
         csr = self._graphs("NTStar", edge_index, x.shape[0])
-        ckpt = self._checkpointing(x)
+        ckpt = self.uses_checkpoint(x)
         x = checkpointed(self._input, x) if ckpt else self._input(self._dropout, x)
         x_local = 0
         for index, conv in enumerate(self.convs):
