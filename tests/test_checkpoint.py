@@ -57,6 +57,27 @@ def test_checkpointing_gives_the_same_loss_and_gradients_bitwise(name, dropout, 
     assert torch.equal(after, after_ck)
 
 
+def test_the_bool_mask_dropout_of_other_devices_is_recomputed_bitwise(monkeypatch):
+    """Off the CPU (CUDA) a checkpointed dropout keeps a bool mask, as native_dropout does; forced here on the CPU:
+    the checkpointed block's gradients are bitwise those of the same block run plain, and the kept mask is
+    one byte per element."""
+    monkeypatch.setattr(ckpt, "FLOAT_NOISE_DEVICES", ())
+    torch.manual_seed(0)
+    ffn = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.4), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(50, 8, requires_grad=True)
+    grads, plain = [], ckpt.Dropouts()
+    for checkpointed in (False, True):
+        ffn.zero_grad()
+        x.grad = None
+        torch.manual_seed(3)
+        out = (ckpt.checkpointed(lambda drop, x: ckpt.run_blocks(ffn, drop, x), x) if checkpointed
+               else ckpt.run_blocks(ffn, plain, x))
+        (out * torch.arange(8.0)).sum().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in ffn.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert plain._noise[0].dtype == torch.bool and 0.45 < plain._noise[0].float().mean() < 0.75
+
+
 def kept_bytes(model, csr) -> int:
     """Bytes of the distinct storages that autograd keeps for backward outside checkpointed blocks."""
     storages = {}

@@ -45,9 +45,23 @@ def check_checkpoint(owner: str, value) -> None:
         raise ValueError(f"{owner}: checkpoint must be None (a memory model decides), True or False, got {value!r}")
 
 
+# Devices whose checkpointed dropout keeps F.dropout's float noise (the CPU: bitwise F.dropout); elsewhere a bool
+# mask, as CUDA's native_dropout keeps (a byte per element instead of the activation's two or four).
+FLOAT_NOISE_DEVICES = ("cpu",)
+
+
 class Dropouts:
-    """The dropout of one checkpointed block: draws each noise tensor in the forward as ``F.dropout`` does on the
-    CPU (training mode) and hands the same tensors back to the recompute; ``p = 0`` is the identity."""
+    """The dropout of one checkpointed block: draws each mask in the forward and hands the same tensors back to the
+    recompute; ``p = 0`` is the identity.
+
+    On the CPU the noise is drawn and applied exactly as ``F.dropout`` does there
+    (``empty_like(y).bernoulli_(1 - p).div_(1 - p)``, then ``y * noise``), so a
+    checkpointed block is bitwise the plain one.  On other devices the mask is a
+    bool tensor (``rand_like(y) >= p``) applied by ``aten::native_dropout_backward``
+    (``y * mask / (1 - p)``, whose autograd keeps only the mask), as CUDA's
+    ``native_dropout`` keeps one byte per element: the same distribution, another
+    draw than ``F.dropout``'s.
+    """
 
     def __init__(self):
         self._noise: list[torch.Tensor] = []
@@ -59,11 +73,13 @@ class Dropouts:
     def __call__(self, y: torch.Tensor, p: float) -> torch.Tensor:
         if p == 0:
             return y
+        float_noise = y.device.type in FLOAT_NOISE_DEVICES
         if self._next == len(self._noise):
-            self._noise.append(torch.empty_like(y).bernoulli_(1 - p).div_(1 - p))
+            self._noise.append(torch.empty_like(y).bernoulli_(1 - p).div_(1 - p) if float_noise
+                               else torch.rand_like(y, dtype=torch.float32) >= p)
         noise = self._noise[self._next]
         self._next += 1
-        return y * noise
+        return y * noise if float_noise else torch.ops.aten.native_dropout_backward(y, noise, 1 / (1 - p))
 
 
 def checkpointed(fn, *args):
