@@ -42,14 +42,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["CapturedCall", "CapturedStep", "HostReadError", "HostReads", "accuracy_tensor", "roc_auc_tensor",
-           "score_tensor"]
+__all__ = ["CapturedCall", "CapturedStep", "HostReadError", "HostReads", "accuracy_tensor", "autocast_context",
+           "roc_auc_tensor", "score_tensor"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
 _MASK_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _COPIES = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}
 _NO_TARGET = object()
+
+
+def autocast_context(device_type: str, dtype: torch.dtype | None):
+    """``torch.autocast(device_type, dtype)``, or no context for ``dtype`` None (an outer autocast stays on)."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -486,8 +491,7 @@ class CapturedStep:
         """Forward, loss and backward (under ``guard``), then the optimizer step; returns the detached loss."""
         inputs, target = self._static.args()
         with guard or contextlib.nullcontext():
-            with torch.autocast(self._device().type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
+            with autocast_context(self._device().type, self.autocast):
                 out = self.model(*inputs)
                 loss = self.loss_fn(out) if target is _NO_TARGET else self.loss_fn(out, target)
             loss.backward()

@@ -1,4 +1,4 @@
-"""Nothing in a warm training step reads the host (DESIGN §11, docs/design.md §10; issue 41).
+"""Nothing in a warm training step reads the host (DESIGN §11, docs/design.md §10 and §11; issue 41).
 
 :class:`nt_kernels.train.HostReads` refuses every op that would read a device
 value on the host: ``aten::_local_scalar_dense`` (``.item()``, ``int()``,
@@ -8,8 +8,9 @@ depends on values (``nonzero``, ``unique``, ...), boolean-mask indexing and
 whole step of ``nt-kernels train`` -- the training step (forward, loss,
 backward, Adam as it runs on CUDA: fused and capturable), the evaluation
 forward and both scores -- runs under it here, for NT (fused and composition),
-DirNT and NT*'s local stage (also with their node-level blocks checkpointed), two-class (ROC-AUC) and multi-class (accuracy)
-labels, float32 and bf16 autocast.  The one host read of an epoch
+DirNT and NT*'s local stage (also with their node-level blocks checkpointed),
+two-class (ROC-AUC) and multi-class (accuracy) labels, float32 and bf16
+autocast.  The one host read of an epoch
 (:func:`nt_kernels.apps.fullbatch.read_epoch`) comes after it.  What this
 cannot see: syncs inside a kernel's own implementation (a CUDA library
 copying a count back); the GPU run's ``torch.cuda.set_sync_debug_mode`` check

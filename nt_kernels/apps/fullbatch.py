@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nt_kernels.apps.minibatch import layerwise_logits
-from nt_kernels.train import CapturedCall, CapturedStep, score_tensor
+from nt_kernels.train import CapturedCall, CapturedStep, autocast_context, score_tensor
 
 __all__ = ["CUDA_GRAPH_CHOICES", "DTYPES", "EpochClock", "FullBatch", "capture_decision", "make_optimizer",
            "read_epoch"]
@@ -135,8 +135,7 @@ class FullBatch:
         return F.cross_entropy(out.index_select(0, self.train_idx), target)
 
     def _autocast(self):
-        return torch.autocast(self.x.device.type, dtype=self.autocast or torch.float32,
-                              enabled=self.autocast is not None)
+        return autocast_context(self.x.device.type, self.autocast)
 
     def _scores(self, x, graph) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad(), self._autocast():

@@ -18,6 +18,7 @@ from torch_geometric.data import Data
 
 from nt_kernels.apps.distributed import World, shard_sampler
 from nt_kernels.apps.sampling import nt_loader
+from nt_kernels.train import autocast_context
 
 __all__ = ["MiniBatchEpoch", "add_arguments", "batch_options", "eval_loader", "layerwise_logits", "load_checkpoint",
            "parse_num_neighbors", "pyg_data", "save_checkpoint", "split_path"]
@@ -63,8 +64,7 @@ class MiniBatchEpoch:
         for batch in self.loader:
             batch = batch.to(self.device)
             optimizer.zero_grad()
-            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
+            with autocast_context(self.device.type, self.autocast):
                 logits = model(batch.x, batch.edge_index)[:batch.batch_size]
                 loss = F.cross_entropy(logits, batch.y[:batch.batch_size])
             loss.backward()
