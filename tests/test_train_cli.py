@@ -57,12 +57,13 @@ def test_train_cli_cuda_graph_on_without_cuda_is_an_error(tmp_path):
 
 
 # minesweeper, one small NT layer, 30 epochs at lr 1e-2 (about 6 s per run on one core).  The measurement behind
-# the bound (docs/results.md, "bf16 autocast training"): over seeds 0-4 the float32 runs' validation ROC-AUC has a
-# standard deviation of 0.050 at this budget, and bf16 autocast differs from float32 by at most 0.0041 per seed.
+# the bound (docs/results.md, "bf16 autocast training"): over seeds 0-4 the float32 runs' ROC-AUC has a standard
+# deviation of 0.05 at this budget, and bf16 autocast differs from float32 by at most 0.0041 (validation) and 0.0102
+# (test) per seed.
 BF16_RUN = ["--dataset", "minesweeper", "--splits", "0", "--preset", "none", "--aggr", "sum", "--head-dim", "8",
             "--heads", "2", "--layers", "1", "--dropout", "0.2", "--sep", "--self-loops", "remove", "--lr", "1e-2",
             "--epochs", "30", "--patience", "30", "--device", "cpu", "--no-progress"]
-BF16_NOISE = 0.01  # a fifth of the seed-to-seed standard deviation
+BF16_NOISE = 0.02  # less than half the seed-to-seed standard deviation
 
 
 def test_bf16_autocast_training_reaches_the_float32_score(tmp_path):
