@@ -389,8 +389,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "warm-up steps come first (on CUDA before the memory pass, so compiles are never timed; on CPU after "
         "it, which must be the process's first large step), then --repeats timed steps (median reported); the "
         "JSON records every step's time, and a worker stopped by --timeout (seconds per variant) reports the "
-        "steps it finished; --device, --threads, --seed, --memory-cap-gb (CPU workers' address-space cap), "
-        "--in-process, --data-root, --out, --from-json and --plot (the layer block of results.md) apply")
+        "steps it finished; on CUDA the step is also captured in a CUDA graph and timed, and the host share "
+        "(step minus summed kernel time) reported; every peak above the baseline and absolute; --checkpoint "
+        "sets NT's activation checkpointing; --device, --threads, --seed, --memory-cap-gb (CPU workers' "
+        "address-space cap), --in-process, --data-root, --out, --from-json and --plot (the layer block of "
+        "results.md) apply")
     group.add_argument("--layer", action="store_true", help="measure NT training steps instead of the op")
     group.add_argument("--variants", default=",".join(VARIANTS), help="comma list of fused, unfused")
     group.add_argument("--messages", type=int, default=None,
