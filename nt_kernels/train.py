@@ -390,7 +390,7 @@ class _Snapshot:
     tensors a graph reads stay the same objects)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.model, self.optimizer, self.device = model, optimizer, device
+        self.optimizer, self.device = optimizer, device
         self.tensors = [(t, t.detach().clone()) for t in list(model.parameters()) + list(model.buffers())]
         self.state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                       for p, s in optimizer.state.items()}
@@ -404,10 +404,12 @@ class _Snapshot:
             for param, state in self.optimizer.state.items():
                 saved = self.state.get(id(param), {})
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        value.copy_(saved[key]) if key in saved else value.zero_()
+                    if not isinstance(value, torch.Tensor):
+                        state[key] = saved.get(key, value)
                     elif key in saved:
-                        state[key] = saved[key]
+                        value.copy_(saved[key])
+                    else:
+                        value.zero_()  # state the warm-up created: Adam's, AdamW's, RMSprop's fresh state
         torch.set_rng_state(self.cpu_rng)
         if self.device_rng is not None:
             torch.cuda.set_rng_state(self.device_rng, self.device)
