@@ -104,8 +104,9 @@ def test_presets_are_the_released_ones():
 # -------------------------------------------------------------- document
 RESULT_KEYS = {"variant": str, "fused": bool, "status": str, "setup_s": float, "step_ms": float,
                "step_ms_runs": list, "warmup_steps": int, "warmup_ms_runs": list, "memory_pass_ms": float,
-               "peak_memory_bytes": int, "baseline_bytes": int, "memory_method": str, "loss_first": float,
-               "loss_last": float}
+               "peak_memory_bytes": int, "baseline_bytes": int, "peak_memory_absolute_bytes": int,
+               "memory_method": str, "loss_first": float, "loss_last": float, "checkpointed": bool,
+               "checkpoint_saving_bytes": int, "host_share": dict, "captured": dict}
 
 
 def test_document_schema(tiny_doc):
@@ -120,6 +121,7 @@ def test_document_schema(tiny_doc):
     assert (s["dtype"], s["autocast"], s["threads"], s["repeats"], s["warmup"]) == ("float32", None, 1, 2, 1)
     assert s["variants"] == ["fused", "unfused"] and s["isolation"] == "subprocess"
     assert s["memory_cap_gb"] == bench.DEFAULT_CAP_GB and s["dry_run"] is False
+    assert (s["checkpoint"], s["optimizer"]) == ("auto", "Adam(lr=0.001)")
     assert [e["variant"] for e in doc["results"]] == ["fused", "unfused"]
     for entry in doc["results"]:
         assert entry["status"] == "ok", entry
@@ -129,7 +131,14 @@ def test_document_schema(tiny_doc):
         assert entry["warmup_steps"] == 1 and len(entry["warmup_ms_runs"]) == 1
         assert entry["step_ms"] == pytest.approx(statistics.median(entry["step_ms_runs"]))
         assert entry["fused"] == (entry["variant"] == "fused")
-    assert set(doc["load_average"]) == {"start", "end"}
+        assert entry["peak_memory_absolute_bytes"] == entry["peak_memory_bytes"] + entry["baseline_bytes"]
+        assert entry["checkpointed"] is False and entry["checkpoint_saving_bytes"] > 0  # far below 1 GiB
+        # On the CPU neither the captured step nor the host share exists: the entries say why.
+        assert entry["captured"] == {"status": "skipped: CUDA graphs need a CUDA device (the step ran on cpu)"}
+        assert entry["host_share"] == {"status": "not available: the host share (step time minus summed kernel "
+                                                 "time) needs a GPU's kernel times; on the cpu the host runs the "
+                                                 "kernels itself"}
+    assert set(doc["load_average"]) == {"start", "end"} and "capture_speedup" not in doc["summary"]
 
 
 def test_graph_statistics(tiny_doc):
@@ -201,6 +210,43 @@ def test_warmup_and_repeats_are_honoured_on_the_powerlaw_graph(tmp_path, warmup,
     assert f"--warmup {warmup}" in doc["command"] and f"--repeats {repeats}" in doc["command"]
 
 
+def test_checkpoint_on_is_recorded_in_the_entry_the_command_and_the_file_name(tmp_path):
+    args = _parse("--layer", *TINY, "--variants", "fused", "--repeats", "1", "--warmup", "0", "--in-process",
+                  "--checkpoint", "on", "--out", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        assert args.func(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert path.name.endswith("-layer-powerlaw-float32-m3000-checkpoint-on.json")
+    assert doc["settings"]["checkpoint"] == "on" and "--checkpoint on" in doc["command"]
+    (entry,) = doc["results"]
+    assert entry["status"] == "ok" and entry["checkpointed"] is True
+    assert "checkpoint on" in layer_report.format_table(doc)
+
+
+def test_captured_results_and_host_share_in_the_table_and_the_summary():
+    """What a CUDA run reports (the fields of nt_kernels.bench.layer_capture), printed and summarised."""
+    entry = {"variant": "fused", "fused": True, "status": "ok", "step_ms": 24.0, "peak_memory_bytes": 2 ** 20,
+             "baseline_bytes": 2 ** 21, "peak_memory_absolute_bytes": 3 * 2 ** 20,
+             "host_share": {"status": "ok", "kernel_ms": 7.0, "host_ms": 17.0, "host_share": 17 / 24},
+             "captured": {"status": "ok", "step_ms": 8.0, "step_ms_runs": [8.0], "kernel_ms": 7.0, "host_ms": 1.0}}
+    failed = {**entry, "variant": "unfused", "fused": False,
+              "captured": {"status": "error: ValueError: CapturedStep: reads a device value on the host"}}
+    summary = layer.summarize([entry, failed])
+    assert summary["capture_speedup"] == {"fused": 3.0}
+    doc = {"graph": {"name": "g", "status": "x"}, "preset": {"name": "p", "aggr": "sum", "head_dim": 4, "heads": 1,
+           "num_layers": 1, "dropout": 0.0, "sep": False}, "settings": {"dtype": "bfloat16-autocast", "threads": 16},
+           "device": {"name": "GPU"}, "load_average": {"start": [0.0], "end": [0.0]}, "results": [entry, failed],
+           "summary": summary}
+    table = layer_report.format_table(doc)
+    row = next(line for line in table.splitlines() if line.startswith("fused "))
+    assert row.split()[1:6] == ["24.0", "8.0", "17.0", "7.0", "1.0"] and "3.0" in row
+    assert "unfused captured step: error: ValueError: CapturedStep: reads a device value on the host" in table
+
+
 def test_a_stopped_worker_reports_the_steps_it_finished():
     """The worker saves its entry after every step; on a timeout the parent reports those steps."""
     saved = {"variant": "fused", "fused": True, "graph": {"name": "powerlaw"}, "setup_s": 1.5, "warmup_steps": 2,
@@ -253,6 +299,9 @@ def test_table_and_results_block(tiny_doc, tmp_path):
     assert len(rows) == 1 and "`cpu-layer-powerlaw.json`" in rows[0] and "(dry run)" not in rows[0]
     assert f"{tiny_doc['summary']['speedup']:.2f}×" in rows[0]
     assert f"{tiny_doc['summary']['memory_ratio']:.3f}" in rows[0]
+    fused = tiny_doc["results"][0]
+    both = f"{fused['peak_memory_bytes'] / 2**20:,.1f} / {fused['peak_memory_absolute_bytes'] / 2**20:,.1f}"
+    assert both in rows[0] and "above baseline / absolute" in block
     assert f"`{tiny_doc['command']}`" in block
 
 
@@ -284,6 +333,7 @@ def test_cli_parses_the_layer_options():
     (["--layer", "--heads", "2"], "--heads does not apply with --layer"),
     (["--layer", "--dtype", "float16"], "--dtype must be one of"),
     (["--messages", "10"], "--messages does not apply without --layer"),
+    (["--checkpoint", "on"], "--checkpoint does not apply without --layer"),
     (["--dtype", "bfloat16-autocast"], "is for --layer"),
 ])
 def test_cli_rejects_options_of_the_other_mode(argv, message):

@@ -142,8 +142,8 @@ def test_mini_batches_and_data_parallel_only_without_global_stage():
     with pytest.raises(ValueError, match=message):
         train_split(data, 0, star_config(), batch_size=16)
     with pytest.raises(ValueError, match=message):
-        train._training_step(NTStar(IN, HIDDEN, CLASSES, 1), data, data.x, data.edge_index, 0, star_config(),
-                             World(0, 2), 0, None, None)
+        train._minibatch_epoch(NTStar(IN, HIDDEN, CLASSES, 1), data, data.x, data.train_mask[0].nonzero().flatten(),
+                               0, star_config(), World(0, 2), 0, None, None, None)
     with pytest.raises(ValueError, match="--eval-batch-size.* NTStar evaluates full batch"):
         train_split(data, 0, star_config(), eval_batch_size=16)
     local_only = train_split(data, 0, star_config(epochs=3, local_epochs=3), batch_size=16)

@@ -22,6 +22,7 @@ LAYERS = [
     ("nt_kernels.ops",),
     ("nt_kernels",),  # the package root: public re-exports of the layers above
     ("nt_kernels.nn",),
+    ("nt_kernels.train",),  # training helpers over any model: CUDA graph capture, host-read checks, metrics
     ("nt_kernels.bench",),
     ("nt_kernels.apps",),
     ("nt_kernels.cli",),

@@ -18,6 +18,7 @@ from torch_geometric.data import Data
 
 from nt_kernels.apps.distributed import World, shard_sampler
 from nt_kernels.apps.sampling import nt_loader
+from nt_kernels.train import autocast_context
 
 __all__ = ["MiniBatchEpoch", "add_arguments", "batch_options", "eval_loader", "layerwise_logits", "load_checkpoint",
            "parse_num_neighbors", "pyg_data", "save_checkpoint", "split_path"]
@@ -41,15 +42,17 @@ class MiniBatchEpoch:
     ``DistributedSampler`` (a world of one shuffles them all); each batch is a
     NeighborLoader subgraph, the loss is the cross entropy on its
     ``batch.batch_size`` seed rows.  ``model`` may be DDP-wrapped, which
-    averages the gradients of the ranks in ``backward``.
+    averages the gradients of the ranks in ``backward``.  ``autocast``: the dtype
+    of ``torch.autocast`` around forward and loss, or None.  The steps are eager
+    (every batch has another shape: no CUDA graph).
     """
 
     def __init__(self, data: Data, seeds: torch.Tensor, num_neighbors, batch_size: int, world: World, seed: int,
-                 device):
+                 device, *, autocast: torch.dtype | None = None):
         self.sampler = shard_sampler(seeds.numel(), world, seed)
         self.loader = nt_loader(data, num_neighbors, batch_size=batch_size, input_nodes=seeds.cpu(),
                                 sampler=self.sampler)
-        self.device = device
+        self.device, self.autocast = torch.device(device), autocast
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -61,8 +64,9 @@ class MiniBatchEpoch:
         for batch in self.loader:
             batch = batch.to(self.device)
             optimizer.zero_grad()
-            logits = model(batch.x, batch.edge_index)[:batch.batch_size]
-            loss = F.cross_entropy(logits, batch.y[:batch.batch_size])
+            with autocast_context(self.device.type, self.autocast):
+                logits = model(batch.x, batch.edge_index)[:batch.batch_size]
+                loss = F.cross_entropy(logits, batch.y[:batch.batch_size])
             loss.backward()
             optimizer.step()
             total = total + loss.detach() * batch.batch_size

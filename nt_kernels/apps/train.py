@@ -14,6 +14,12 @@ of seed nodes, and under ``torchrun --nproc-per-node N -m nt_kernels.cli train``
 every process trains on its own shard of the seeds through DDP (only rank 0
 prints and writes files); ``--save`` / ``--resume`` keep the best-validation
 checkpoint (docs/nn.md, "Mini-batches and data parallel").
+
+On CUDA the full-batch training step (forward, loss, backward, fused Adam)
+and the evaluation forward are captured in CUDA graphs and replayed every
+epoch (``--cuda-graph auto``, the default; :mod:`nt_kernels.apps.fullbatch`);
+an epoch reads the host once.  ``--dtype bfloat16-autocast`` trains float32
+parameters with the forward under ``torch.autocast`` to bfloat16.
 """
 from __future__ import annotations
 
@@ -26,45 +32,37 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nt_kernels.apps import presets
 from nt_kernels.apps import minibatch
 from nt_kernels.apps.distributed import World, current, init_from_env, shutdown, wrap
-from nt_kernels.apps.minibatch import (MiniBatchEpoch, batch_options, eval_loader, layerwise_logits, load_checkpoint,
+from nt_kernels.apps.fullbatch import (CUDA_GRAPH_CHOICES, DTYPES, EpochClock, FullBatch, capture_decision,
+                                       make_optimizer, read_epoch)
+from nt_kernels.apps.minibatch import (MiniBatchEpoch, batch_options, eval_loader, load_checkpoint,
                                        pyg_data, save_checkpoint, split_path)
 from nt_kernels.apps.sampling import check_num_neighbors
 from nt_kernels.apps.presets import PRESETS, StarConfig, TrainConfig, preset
 from nt_kernels.apps.stages import SingleStage, TwoStages
 from nt_kernels.data.datasets import DATASETS, load_dataset, monophily_graph
 from nt_kernels.nn import BACKENDS, NT, NTStar
+from nt_kernels.train import roc_auc_tensor, score_tensor
 
 __all__ = ["PRESETS", "StarConfig", "TrainConfig", "add_parser", "build_model", "demo_training", "preset", "roc_auc",
            "run", "score", "train_split"]
 
 FUSED_CHOICES = {"auto": None, "on": True, "off": False}
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def roc_auc(labels: torch.Tensor, scores: torch.Tensor) -> float:
-    """Area under the ROC curve of binary ``labels`` for ``scores`` (ties count one half)."""
-    labels = labels.bool().flatten()
-    positives, negatives = int(labels.sum()), int((~labels).sum())
-    if positives == 0 or negatives == 0:
-        return math.nan
-    values, inverse, counts = torch.unique(scores.double().flatten(), return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    mean_rank = ends - (counts.double() - 1) / 2
-    rank_sum = mean_rank[inverse][labels].sum().item()
-    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+    """Area under the ROC curve of binary ``labels`` for ``scores`` (ties count one half; NaN without both
+    classes): :func:`nt_kernels.train.roc_auc_tensor` read as a float."""
+    return float(roc_auc_tensor(labels, scores))
 
 
 def score(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """ROC-AUC of class 1 for two classes, accuracy otherwise."""
-    if logits.shape[1] == 2:
-        return roc_auc(labels, torch.softmax(logits.double(), dim=1)[:, 1])
-    return (logits.argmax(1) == labels).double().mean().item() if labels.numel() else math.nan
+    """ROC-AUC of class 1 for two classes, accuracy otherwise (:func:`nt_kernels.train.score_tensor`, read)."""
+    return float(score_tensor(logits, labels))
 
 
 def build_model(config: TrainConfig, in_channels: int, out_channels: int, *, backend: str = "kernels",
@@ -83,9 +81,11 @@ def build_model(config: TrainConfig, in_channels: int, out_channels: int, *, bac
               directed=config.directed, sep=config.sep, **conv)
 
 
-def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=torch.float32, backend="kernels",
-                fused: bool | None = None, seed: int = 0, progress: bool = False, model: nn.Module | None = None, batch_size: int | None = None,
-                num_neighbors=None, eval_batch_size: int | None = None, save=None, resume=None) -> dict:
+def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=torch.float32,
+                autocast: torch.dtype | None = None, cuda_graph: bool | None = None, backend="kernels",
+                fused: bool | None = None, seed: int = 0, progress: bool = False, model: nn.Module | None = None,
+                batch_size: int | None = None, num_neighbors=None, eval_batch_size: int | None = None, save=None,
+                resume=None, log=None) -> dict:
     """Train one model on split ``split`` of ``data``; returns scores at the best validation epoch and the losses.
 
     ``model`` replaces the network of ``config`` (:func:`build_model`; it is
@@ -96,15 +96,23 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     ``backend`` and ``fused`` are NTConv's (the attention ops of the composition,
     and whether the fused layer op runs).  The NT is
     initialised, and the training run (dropout) seeded, with ``seed + split``.
+    ``dtype`` is the parameters' and features' dtype; ``autocast`` a dtype
+    (``torch.bfloat16``) for ``torch.autocast`` around forward and loss.
 
-    Full batch by default.  With ``batch_size`` (or under ``torchrun`` with
+    Full batch by default.  ``cuda_graph`` (``None``: where possible): capture
+    the full-batch training step and the evaluation forward in CUDA graphs
+    (:mod:`nt_kernels.apps.fullbatch`; ``True`` raises where it cannot, naming
+    the reason).  Every epoch reads the host once (loss, validation and test
+    score together).  With ``batch_size`` (or under ``torchrun`` with
     several processes) every epoch takes one optimizer step per batch of
     training seeds, each batch a NeighborLoader subgraph with ``num_neighbors``
     (one fan-out per layer, default -1: whole neighbourhoods); ranks train on
-    disjoint shards through DDP (:mod:`nt_kernels.apps.distributed`).
+    disjoint shards through DDP (:mod:`nt_kernels.apps.distributed`); these
+    steps are eager.
     Evaluation is full-batch, or layer-wise over node batches of
     ``eval_batch_size``.  ``save``: checkpoint path written (by rank 0) at every
     new best validation score; ``resume``: checkpoint to continue from.
+    ``log``: called with a line saying whether and why the steps are captured.
     """
     from tqdm.auto import tqdm
 
@@ -112,7 +120,8 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     torch.manual_seed(seed + split)
     data = data.to(device)
     x = data.x.to(dtype)
-    val, test = data.val_mask[split], data.test_mask[split]
+    nodes = {name: mask[split].nonzero().flatten()
+             for name, mask in (("train", data.train_mask), ("val", data.val_mask), ("test", data.test_mask))}
     if model is None:
         model = build_model(config, x.shape[1], int(data.y.max()) + 1, backend=backend, fused=fused)
     if eval_batch_size is not None and not hasattr(model, "block"):
@@ -121,9 +130,15 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     model = model.to(device=device, dtype=dtype)
     torch.manual_seed(seed + split + (world.rank << 32))
     edge_index = model.prepare(data.edge_index, data.num_nodes) if hasattr(model, "prepare") else data.edge_index
-    step = _training_step(model, data, x, edge_index, split, config, world, seed, batch_size, num_neighbors)
-    nodes = None if eval_batch_size is None else eval_loader(data.edge_index, data.num_nodes, eval_batch_size)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    minibatch = _minibatch_epoch(model, data, x, nodes["train"], split, config, world, seed, batch_size,
+                                 num_neighbors, autocast)
+    capture, note = capture_decision(cuda_graph, device, minibatch=minibatch is not None, world_size=world.size)
+    full = FullBatch(model, x, edge_index, data.y, nodes, autocast=autocast, capture=capture,
+                     required=cuda_graph is True, note=note,
+                     eval_nodes=None if eval_batch_size is None else eval_loader(data.edge_index, data.num_nodes,
+                                                                                 eval_batch_size))
+    step = full if minibatch is None else minibatch
+    optimizer = make_optimizer(model, config.lr, device, capture)
     best, losses, first = {"epoch": -1, "val": -math.inf, "test": math.nan}, [], 0
     if resume is not None:
         restored = load_checkpoint(resume, model, optimizer, config=asdict(config), split=split)
@@ -132,6 +147,7 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
     staged = isinstance(config, StarConfig)
     stages = TwoStages(model, optimizer, config.local_epochs, first) if staged else SingleStage()
     trained = wrap(model, world)
+    clock = EpochClock(device)
     start, start_cpu, train_seconds, epochs_run, stage_seconds = time.perf_counter(), time.process_time(), 0.0, 0, {}
     bar = tqdm(range(first, config.epochs), desc=f"{data.name} split {split}",
                disable=not (progress and world.is_main), leave=False)
@@ -139,15 +155,17 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
         stages.begin_epoch(epoch)
         model.train()
         tick, tick_cpu = time.perf_counter(), time.process_time()
-        losses.append(step(trained, optimizer, epoch))
-        train_seconds += time.perf_counter() - tick
+        clock.start()
+        loss = step(trained, optimizer, epoch)
+        clock.stop()
+        loss, val_score, test_score = read_epoch(loss, *full.evaluate())  # the epoch's one host read
+        if epoch == first and log is not None:
+            log(f"{data.name} split {split} CUDA graph: {full.note}")
+        losses.append(loss)
+        train_seconds += clock.seconds()
         epochs_run += 1
-        model.eval()
-        with torch.no_grad():
-            logits = model(x, edge_index) if nodes is None else layerwise_logits(model, x, nodes)
-        val_score = score(logits[val], data.y[val])
         if val_score > best["val"]:
-            best = {"epoch": epoch, "val": val_score, "test": score(logits[test], data.y[test])}
+            best = {"epoch": epoch, "val": val_score, "test": test_score}
             stages.new_best()
             if save is not None and world.is_main:
                 save_checkpoint(save, model, optimizer, config=asdict(config), split=split, losses=losses, **best)
@@ -157,10 +175,11 @@ def train_split(data, split: int, config: TrainConfig, *, device="cpu", dtype=to
             break
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     return {"split": split, "best_epoch": best["epoch"], "val": best["val"], "test": best["test"],
-            "epochs": len(losses), "epochs_run": epochs_run, "seconds_per_epoch": seconds / max(1, epochs_run),
+            "epochs": len(losses), "epochs_run": epochs_run, "seconds": seconds,
+            "seconds_per_epoch": seconds / max(1, epochs_run),
             "epochs_per_second": epochs_run / seconds if seconds > 0 else math.nan,
             "train_seconds_per_epoch": train_seconds / max(1, epochs_run),
-            "batches_per_epoch": len(step) if isinstance(step, MiniBatchEpoch) else 1,
+            "batches_per_epoch": len(step), "captured": full.captured, "cuda_graph": full.note,
             "cpu_seconds_per_epoch": cpu_seconds / max(1, epochs_run),
             "stages": {stage: {"epochs": count, "seconds_per_epoch": total / count,
                                "cpu_seconds_per_epoch": cpu / count}
@@ -175,9 +194,8 @@ def _add_time(totals: dict, stage: str, seconds: float, cpu_seconds: float) -> N
     totals[stage] = (count + 1, total + seconds, cpu + cpu_seconds)
 
 
-def _training_step(model, data, x, edge_index, split, config, world, seed, batch_size, num_neighbors):
-    """One epoch of training: a full-batch step, or a :class:`MiniBatchEpoch` over this rank's seed batches."""
-    train = data.train_mask[split]
+def _minibatch_epoch(model, data, x, train_nodes, split, config, world, seed, batch_size, num_neighbors, autocast):
+    """The :class:`MiniBatchEpoch` over this rank's seed batches, or None for full-batch training."""
     if (isinstance(config, StarConfig) and config.has_global_stage
             and (batch_size is not None or num_neighbors is not None or world.size > 1)):
         raise ValueError("train: NT*'s global stage attends over every node of the graph: on a NeighborLoader batch "
@@ -187,15 +205,8 @@ def _training_step(model, data, x, edge_index, split, config, world, seed, batch
     if batch_size is None and world.size == 1:
         if num_neighbors is not None:
             raise ValueError("train: num_neighbors (--num-neighbors) needs batch_size (--batch-size)")
-
-        def full_batch(trained, optimizer, epoch):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(trained(x, edge_index)[train], data.y[train])
-            loss.backward()
-            optimizer.step()
-            return loss.item()
-        return full_batch
-    seeds = torch.nonzero(train).flatten()
+        return None
+    seeds = train_nodes
     if world.size > seeds.numel():
         raise ValueError(f"train: {world.size} processes (torchrun --nproc-per-node) but split {split} has only "
                          f"{seeds.numel()} training nodes; use at most that many processes")
@@ -207,7 +218,7 @@ def _training_step(model, data, x, edge_index, split, config, world, seed, batch
     counts = check_num_neighbors((-1,) * layers if num_neighbors is None else num_neighbors, layers,
                                  "train: num_neighbors (--num-neighbors)")
     pyg = pyg_data(data.edge_index, data.num_nodes, x, data.y)
-    return MiniBatchEpoch(pyg, seeds, counts, batch_size, world, seed + split, x.device)
+    return MiniBatchEpoch(pyg, seeds, counts, batch_size, world, seed + split, x.device, autocast=autocast)
 
 
 def _mean_std(values):
@@ -224,7 +235,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     presets.add_arguments(parser)
     minibatch.add_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="parameters and features in float32 or float64, or float32 parameters with the forward "
+                             "and loss under torch.autocast to bfloat16 (bfloat16-autocast)")
+    parser.add_argument("--cuda-graph", choices=tuple(CUDA_GRAPH_CHOICES), default="auto",
+                        help="capture the full-batch training step (forward, loss, backward, fused Adam) and the "
+                             "evaluation forward in CUDA graphs and replay them every epoch: auto (where possible; "
+                             "the run says why not elsewhere: CPU, --batch-size, torchrun, a refused capture), on "
+                             "(an error where not possible), off (eager steps)")
     parser.add_argument("--backend", choices=BACKENDS, default="kernels",
                         help="attention ops of the unfused composition: nt_kernels' kernels or the reference loops")
     parser.add_argument("--fused", choices=tuple(FUSED_CHOICES), default="auto",
@@ -266,10 +284,12 @@ def _run(args, world: World) -> int:
     metric = "roc_auc" if int(data.y.max()) + 1 == 2 else "accuracy"
     runs = []
     for split in splits:
-        result = train_split(data, split, config, device=device, dtype=DTYPES[args.dtype], backend=args.backend,
+        dtype, autocast = DTYPES[args.dtype]
+        result = train_split(data, split, config, device=device, dtype=dtype, autocast=autocast,
+                             cuda_graph=CUDA_GRAPH_CHOICES[args.cuda_graph], backend=args.backend,
                              fused=FUSED_CHOICES[args.fused], seed=args.seed, progress=not args.no_progress,
                              save=split_path(args.save, split),
-                             resume=split_path(args.resume, split), **options)
+                             resume=split_path(args.resume, split), log=log, **options)
         runs.append({key: value for key, value in result.items() if key != "losses"})
         log(f"{args.dataset} split {split}: val {result['val']:.4f} test {result['test']:.4f} "
             f"(best epoch {result['best_epoch']}, {result['epochs']} epochs, "
@@ -279,7 +299,8 @@ def _run(args, world: World) -> int:
     summary = {"dataset": args.dataset, "model": config_model(config), "directed": config.directed,
                "preset": args.preset, "config": asdict(config),
                "self_loops": config.self_loops, "metric": metric, "device": str(args.device), "dtype": args.dtype,
-               "backend": args.backend, "fused": args.fused, "seed": args.seed, "splits": runs, "test_mean": test_mean,
+               "backend": args.backend, "fused": args.fused, "cuda_graph": args.cuda_graph, "seed": args.seed,
+               "splits": runs, "test_mean": test_mean,
                "test_std": test_std, "val_mean": val_mean, "val_std": val_std,
                "seconds_per_epoch": statistics.fmean(r["seconds_per_epoch"] for r in runs),
                "epochs_per_second": statistics.fmean(r["epochs_per_second"] for r in runs),

@@ -34,6 +34,18 @@ one that compiles):
   ``step_ms`` is the median wall time of the timed steps (the device
   synchronised before each clock read), ``step_ms_runs`` every sample;
   ``setup_s`` the time to build the graph, its CSR and plans and the model.
+* ``peak_memory_absolute_bytes`` is that sum, reported next to the peak
+  above the baseline: every peak both ways (issue 41).
+* ``--checkpoint auto|on|off`` sets NT's activation checkpointing of the
+  node-level blocks (``checkpoint=None|True|False``); the entry records
+  whether the step checkpointed (``checkpointed``) and the memory model's
+  estimate of what it frees (``checkpoint_saving_bytes``).
+* After the timed steps, on CUDA (:mod:`nt_kernels.bench.layer_capture`):
+  ``host_share`` (the eager step's summed kernel time from one profiled
+  step, and step time minus it) and ``captured`` (the whole step in a CUDA
+  graph, ``repeats`` timed replays, and its host share).  Both variants use
+  fused capturable Adam on CUDA.  On the CPU both entries say why they are
+  not measured.
 * An out-of-memory error is a result (``status: "OOM"``, the message in
   ``detail``), as is a worker killed by the kernel; other failures are
   ``error: ...``.  ``--in-process`` skips the subprocesses and the cap (CPU
@@ -61,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from nt_kernels.bench import measure as bm
+from nt_kernels.bench.layer_capture import captured_step, eager_host_share, make_optimizer, optimizer_name
 from nt_kernels.bench.layer_graphs import (DRY_RUN_MESSAGES, DRY_RUN_NODES, POWERLAW_MESSAGES, PRESETS,
                                            SYNTHETIC_COPIES, LayerGraph, LayerPreset, build_graph,
                                            degree_sequence_graph, graph_stats)
@@ -73,19 +86,21 @@ DEFAULT_VARIANTS = ("fused", "unfused")
 RELEASED_ALPHA = 0.4  # the released code's partitioning (Algorithm 1)
 DTYPES = ("float32", "bfloat16-autocast")
 GRAPHS = ("tolokers", "minesweeper", "synthetic", "powerlaw")
+CHECKPOINT = {"auto": None, "on": True, "off": False}
 ALL_GRAPHS = ("tolokers", "minesweeper", "synthetic")  # 'all': the CPU set of issue 13
 LEARNING_RATE = 1e-3
 
 
 # ------------------------------------------------------------------ worker
-def _model(preset: LayerPreset, graph: LayerGraph, fused: bool, released: bool = False):
+def _model(preset: LayerPreset, graph: LayerGraph, fused: bool, checkpoint: bool | None = None,
+           released: bool = False):
     """The preset's NT model; ``released``: unfused, every NTConv's attention computed as the paper's
     released layer does (size split, Algorithm 1 groups with alpha = 0.4, each padded to its longest)."""
     from nt_kernels.nn import NT
 
     model = NT(graph.x.shape[1], preset.head_dim * preset.heads, preset.num_layers, int(graph.y.max()) + 1,
                heads=preset.heads, dropout=preset.dropout, sep=preset.sep, aggr=preset.aggr,
-               fused=fused and not released)
+               fused=fused and not released, checkpoint=checkpoint)
     if released:
         for conv in model.convs:
             conv._attend = functools.partial(_released_attention, conv)
@@ -136,7 +151,9 @@ def _setup(spec: dict, device: torch.device, entry: dict):
     csr = NeighbourhoodCSR.from_edge_index(graph.edge_index, graph.x.shape[0])
     graph.edge_index = None  # the CSR holds the edges from here on
     torch.manual_seed(s["seed"])
-    model = _model(preset, graph, fused=entry["fused"], released=entry["variant"] == "released").to(device).train()
+    model = _model(preset, graph, fused=entry["fused"], checkpoint=CHECKPOINT[s.get("checkpoint", "auto")],
+                   released=entry["variant"] == "released")
+    model = model.to(device).train()
     threshold = model.convs[0].threshold if preset.num_layers else math.inf
     entry["graph"] = {"name": graph.name, "source": graph.source, "description": graph.description,
                       **graph_stats(csr, threshold),
@@ -161,13 +178,19 @@ def measure_variant(spec: dict, *, guard_memory: bool, progress=_no_progress) ->
         graph, csr, model, threshold = _setup(spec, device, entry)
         bm._sync(device)
         entry["setup_s"] = time.perf_counter() - tick
-        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+        optimizer = make_optimizer(model, LEARNING_RATE, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            entry["checkpointed"] = model.uses_checkpoint(graph.x)
+            entry["checkpoint_saving_bytes"] = model.checkpoint_saving(
+                graph.x.shape[0], activation=2 if autocast else 4)
+
+        def one_step():
+            return _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast)
 
         def run(count: int, key: str) -> list[tuple[float, float]]:
             done = []
             for _ in range(count):
-                done.append(_timed_step(lambda: _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr,
-                                                      autocast), device))
+                done.append(_timed_step(one_step, device))
                 steps.append(done[-1])
                 entry.setdefault(key, []).append(done[-1][0] * 1e3)
                 progress(entry)
@@ -182,11 +205,17 @@ def measure_variant(spec: dict, *, guard_memory: bool, progress=_no_progress) ->
             run(s["warmup"], "warmup_ms_runs")
         memory = bm.PeakMemory(device)
         run(1, "memory_pass_runs")
-        entry.update(peak_memory_bytes=memory.peak(), baseline_bytes=memory.baseline, memory_method=memory.method,
+        peak = memory.peak()
+        entry.update(peak_memory_bytes=peak, baseline_bytes=memory.baseline,
+                     peak_memory_absolute_bytes=peak + memory.baseline, memory_method=memory.method,
                      memory_pass_ms=entry.pop("memory_pass_runs")[0])
         if device.type == "cpu":
             run(s["warmup"], "warmup_ms_runs")
         timed = run(s["repeats"], "step_ms_runs")
+        entry["host_share"] = eager_host_share(one_step, statistics.median(t for t, _ in timed) * 1e3, device)
+        entry["captured"] = captured_step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast,
+                                          device, s["repeats"])
+        progress(entry)
     except Exception as exc:  # noqa: BLE001  (every failure is recorded in the results)
         if bm.is_oom(exc):
             entry.update(status="OOM", detail=f"{type(exc).__name__}: {str(exc).strip()[:200]}")
@@ -204,7 +233,9 @@ def partial_result(entry: dict, partial: dict) -> dict:
     """The result of a worker stopped by the timeout (``entry``, its status) from the last state it
     saved (``partial``): the steps it finished, ``step_ms`` the median of the timed ones if any."""
     done = {key: partial[key] for key in ("graph", "setup_s", "warmup_steps", "warmup_ms_runs", "memory_pass_ms",
-                                          "peak_memory_bytes", "baseline_bytes", "memory_method", "step_ms_runs")
+                                          "peak_memory_bytes", "baseline_bytes", "peak_memory_absolute_bytes",
+                                          "memory_method", "checkpointed", "checkpoint_saving_bytes", "step_ms_runs",
+                                          "host_share", "captured")
             if key in partial}
     timed = done.get("step_ms_runs", [])
     detail = (f"stopped after {len(done.get('warmup_ms_runs', []))} of {done.get('warmup_steps', 0)} warm-up "
@@ -252,7 +283,7 @@ def _settings(args, device: torch.device) -> dict:
             "variants": list(_variants(args.variants)), "dry_run": args.dry_run,
             "isolation": "in-process" if args.in_process else "subprocess",
             "memory_cap_gb": args.memory_cap_gb if device.type == "cpu" and not args.in_process else None,
-            "optimizer": f"Adam(lr={LEARNING_RATE:g})",
+            "checkpoint": args.checkpoint, "optimizer": optimizer_name(LEARNING_RATE, device),
             "loss": "cross-entropy (split 0's training nodes on real graphs, all nodes on synthetic ones)"}
 
 
@@ -313,6 +344,11 @@ def summarize(results: list[dict]) -> dict:
                                    if unfused["peak_memory_bytes"] else None)
         summary["memory_ratio_total"] = ((fused["peak_memory_bytes"] + fused["baseline_bytes"])
                                          / (unfused["peak_memory_bytes"] + unfused["baseline_bytes"]))
+    captured = {v: by_variant[v]["step_ms"] / by_variant[v]["captured"]["step_ms"] for v in VARIANTS
+                if v in by_variant and by_variant[v]["status"] == "ok"
+                and by_variant[v].get("captured", {}).get("status") == "ok"}
+    if captured:
+        summary["capture_speedup"] = captured
     return summary
 
 
@@ -328,6 +364,8 @@ def command_line(name: str, args) -> str:
         parts.append(f"--memory-cap-gb {args.memory_cap_gb:g}")
     if args.seed:
         parts.append(f"--seed {args.seed}")
+    if args.checkpoint != "auto":
+        parts.append(f"--checkpoint {args.checkpoint}")
     parts += [flag for flag, on in (("--dry-run", args.dry_run), ("--in-process", args.in_process)) if on]
     return " ".join(parts)
 
@@ -337,6 +375,8 @@ def default_out(doc: dict, results_dir: Path) -> Path:
     parts = [bm.slug(doc["device"]["name"]), "layer", g["name"], s["dtype"]]
     if g.get("source") == "synthetic" and "num_messages" in g:
         parts.append(f"m{g['num_messages']}")
+    if s.get("checkpoint", "auto") != "auto":
+        parts.append(f"checkpoint-{s['checkpoint']}")
     if s["dry_run"]:
         parts.append("dry-run")
     return results_dir / f"{'-'.join(parts)}.json"
@@ -346,7 +386,7 @@ def default_out(doc: dict, results_dir: Path) -> Path:
 # Options of the op bench that do not apply to --layer (the model comes from the graph's preset).
 OP_ONLY = ("heads", "head_dim", "scale", "input_sets", "nb_features", "threshold", "subset", "backends", "alphas",
            "reference_max_edges")
-LAYER_ONLY = ("variants", "messages", "dry_run")
+LAYER_ONLY = ("variants", "messages", "dry_run", "checkpoint")
 
 
 def _variants(text: str) -> tuple[str, ...]:
@@ -367,8 +407,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "warm-up steps come first (on CUDA before the memory pass, so compiles are never timed; on CPU after "
         "it, which must be the process's first large step), then --repeats timed steps (median reported); the "
         "JSON records every step's time, and a worker stopped by --timeout (seconds per variant) reports the "
-        "steps it finished; --device, --threads, --seed, --memory-cap-gb (CPU workers' address-space cap), "
-        "--in-process, --data-root, --out, --from-json and --plot (the layer block of results.md) apply")
+        "steps it finished; on CUDA the step is also captured in a CUDA graph and timed, and the host share "
+        "(step minus summed kernel time) reported; every peak above the baseline and absolute; --checkpoint "
+        "sets NT's activation checkpointing; --device, --threads, --seed, --memory-cap-gb (CPU workers' "
+        "address-space cap), --in-process, --data-root, --out, --from-json and --plot (the layer block of "
+        "results.md) apply")
     group.add_argument("--layer", action="store_true", help="measure NT training steps instead of the op")
     group.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                        help="comma list of fused, unfused and released (unfused with the paper's released "
@@ -376,6 +419,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--messages", type=int, default=None,
                        help=f"rows of the synthetic graphs (default: synthetic {SYNTHETIC_COPIES} x tolokers' "
                             f"messages, powerlaw {POWERLAW_MESSAGES:,})")
+    group.add_argument("--checkpoint", choices=tuple(CHECKPOINT), default="auto",
+                       help="activation checkpointing of NT's node-level blocks (NT(checkpoint=...)): auto (where "
+                            "the memory model says it pays), on, off")
     group.add_argument("--dry-run", action="store_true",
                        help=f"tiny graphs (real ones cut to their first {DRY_RUN_NODES} nodes, synthetic ones "
                             f"{DRY_RUN_MESSAGES:,} messages) to check the code path, e.g. on the CPU")

@@ -38,24 +38,55 @@ def _ratio_text(summary: dict) -> str:
             + f" the step's peak memory of fused=False ({summary['memory_ratio_total']:.3f}x with the baseline)")
 
 
+def _absolute(e: dict):
+    """The absolute peak: the field, or (older documents) peak above the baseline plus the baseline."""
+    if "peak_memory_absolute_bytes" in e:
+        return e["peak_memory_absolute_bytes"]
+    if e.get("peak_memory_bytes") is None or e.get("baseline_bytes") is None:
+        return None
+    return e["peak_memory_bytes"] + e["baseline_bytes"]
+
+
+def _optional_ms(part: dict | None, key: str) -> str:
+    return f"{part[key]:,.1f}" if part and part.get("status") == "ok" and part.get(key) is not None else "-"
+
+
+def _notes(e: dict) -> list[str]:
+    """Why the captured step and the host share were not measured (one line each), when they were not."""
+    notes = []
+    for key, what in (("captured", "captured step"), ("host_share", "host share")):
+        part = e.get(key)
+        if part and part.get("status") != "ok":
+            notes.append(f"  {e['variant']} {what}: {part['status']}")
+    return notes
+
+
 def format_table(doc: dict) -> str:
     s = doc["settings"]
     lines = [_graph_text(doc["graph"]),
-             f"{_preset_text(doc)} | {s['dtype']} | {doc['device']['name']}, {s['threads']} threads, "
+             f"{_preset_text(doc)} | {s['dtype']} | checkpoint {s.get('checkpoint', 'auto')} | "
+             f"{doc['device']['name']}, {s['threads']} threads, "
              f"load average {doc['load_average']['start'][0]:.1f} -> {doc['load_average']['end'][0]:.1f}",
-             f"{'variant':8s} {'step ms':>10s} {'peak MiB':>10s} {'baseline MiB':>13s}  status"]
+             f"{'variant':8s} {'step ms':>10s} {'captured':>10s} {'host ms':>9s} {'kernel ms':>10s} "
+             f"{'peak MiB':>10s} {'abs peak':>10s} {'baseline MiB':>13s}  status"]
+    notes = []
     for e in doc["results"]:
         step = f"{e['step_ms']:10.1f}" if e.get("step_ms") is not None else f"{'-':>10s}"
-        lines.append(f"{e['variant']:8s} {step} {_mib(e.get('peak_memory_bytes')):>10s} "
+        lines.append(f"{e['variant']:8s} {step} {_optional_ms(e.get('captured'), 'step_ms'):>10s} "
+                     f"{_optional_ms(e.get('host_share'), 'host_ms'):>9s} "
+                     f"{_optional_ms(e.get('host_share'), 'kernel_ms'):>10s} "
+                     f"{_mib(e.get('peak_memory_bytes')):>10s} {_mib(_absolute(e)):>10s} "
                      f"{_mib(e.get('baseline_bytes')):>13s}  {e['status']}")
+        notes += _notes(e)
     lines.append(_ratio_text(doc["summary"]))
-    return "\n".join(lines)
+    return "\n".join(lines + notes)
 
 
 def layer_block(results_dir: Path) -> str:
     """The markdown table of every layer result file in ``results_dir`` (the block in docs/results.md)."""
     lines = ["| device | graph | preset | dtype | fused step ms | fused=False step ms | speed-up | fused peak MiB "
-             "| fused=False peak MiB | memory ratio | raw |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "above baseline / absolute | fused=False peak MiB above baseline / absolute | memory ratio | raw |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     commands = []
     for path in sorted(results_dir.glob("*.json")):
         doc = json.loads(path.read_text())
@@ -69,12 +100,25 @@ def layer_block(results_dir: Path) -> str:
                 return "not run"
             return fmt(entry[key]) if entry["status"] == "ok" else entry["status"]
 
+        def step(variant: str) -> str:
+            text = cell(variant, "step_ms", _ms)
+            captured = by_variant.get(variant, {}).get("captured") or {}
+            return text + (f" (captured {_ms(captured['step_ms'])})" if captured.get("status") == "ok" else "")
+
+        def peaks(variant: str) -> str:
+            entry = by_variant.get(variant)
+            if entry is None or entry["status"] != "ok":
+                return cell(variant, "peak_memory_bytes", _mib)
+            return f"{_mib(entry['peak_memory_bytes'])} / {_mib(_absolute(entry))}"
+
         ratio, speedup = sm.get("memory_ratio"), sm.get("speedup")
-        graph = _graph_text(doc["graph"]) + (" (dry run)" if doc["settings"]["dry_run"] else "")
+        checkpoint = doc["settings"].get("checkpoint", "auto")
+        graph = (_graph_text(doc["graph"]) + (" (dry run)" if doc["settings"]["dry_run"] else "")
+                 + ("" if checkpoint == "auto" else f" (checkpoint {checkpoint})"))
         cells = [doc["device"]["name"], graph, _preset_text(doc), doc["settings"]["dtype"],
-                 cell("fused", "step_ms", _ms), cell("unfused", "step_ms", _ms),
+                 step("fused"), step("unfused"),
                  "–" if speedup is None else f"{speedup:.2f}×",
-                 cell("fused", "peak_memory_bytes", _mib), cell("unfused", "peak_memory_bytes", _mib),
+                 peaks("fused"), peaks("unfused"),
                  "–" if ratio is None else f"{ratio:.3f}", f"`{path.name}`"]
         lines.append("| " + " | ".join(cells) + " |")
         load = doc["load_average"]

@@ -1,10 +1,13 @@
 """The paper's NT network (GAT-sep backbone, DESIGN §6) built from :class:`NTConv` or :class:`DirNT` layers."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from nt_kernels.csr import NeighbourhoodCSR
+from nt_kernels.nn.checkpoint import activation_bytes, check_checkpoint, checkpointed, decide, run_blocks
 from nt_kernels.nn.conv import (DirNT, NTConv, _check_backend, _check_dropout, _check_fused, _check_in_channels,
                                 _check_int, _check_x, _format, _GraphCache)
 
@@ -39,6 +42,25 @@ class ConvStack(nn.Module):
         for conv in self.convs:
             conv.fused = value
 
+    @property
+    def checkpoint(self) -> bool | None:
+        """Activation checkpointing of the node-level blocks (:mod:`nt_kernels.nn.checkpoint`): ``None`` where the
+        memory model says it pays (``checkpoint_saving`` >= 1 GiB), ``True``, ``False``; settable."""
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, value: bool | None) -> None:
+        check_checkpoint(type(self).__name__, value)
+        self._checkpoint = value
+
+    def uses_checkpoint(self, x: torch.Tensor) -> bool:
+        """Whether this forward checkpoints its node-level blocks (:func:`nt_kernels.nn.checkpoint.decide`)."""
+        def saving() -> int:
+            parameter = next(self.parameters()).dtype
+            return self.checkpoint_saving(x.shape[0], activation=activation_bytes(x, parameter),
+                                          parameter=parameter.itemsize)
+        return decide(self._checkpoint, self, saving)
+
     def prepare(self, edge_index, num_nodes: int) -> NeighbourhoodCSR:
         """The CSR of ``edge_index`` with every plan of every layer built (call before ``torch.compile``)."""
         csr = self._graphs(f"{type(self).__name__}.prepare", edge_index, num_nodes)
@@ -66,11 +88,20 @@ class NT(ConvStack):
     dim); ``dropout`` applies to the encoder and the FFNs, the remaining keyword
     arguments go to every NTConv.  ``forward(x, edge_index, edge_attr=None)``
     as :class:`NTConv`'s.
+
+    ``checkpoint``: activation checkpointing of the node-level blocks (the
+    encoder, each block's FFN with the ``sep`` concatenation, the predictor;
+    :mod:`nt_kernels.nn.checkpoint`): ``None`` (default) where the memory model
+    says it pays (:meth:`checkpoint_saving` >= 1 GiB for the forward's node
+    count), ``True`` / ``False`` always / never.  The loss and every gradient are
+    bitwise those of the run without it.
     """
 
     def __init__(self, in_channels: int, hidden_channels: int, num_layers: int, out_channels: int | None = None, *,
-                 heads: int = 1, dropout: float = 0.0, directed: bool = False, sep: bool = False, **conv_kwargs):
+                 heads: int = 1, dropout: float = 0.0, directed: bool = False, sep: bool = False,
+                 checkpoint: bool | None = None, **conv_kwargs):
         super().__init__()
+        self.checkpoint = checkpoint
         _check_in_channels("NT", in_channels)
         out_channels = hidden_channels if out_channels is None else out_channels
         for name, value, low in (("hidden_channels", hidden_channels, 1), ("num_layers", num_layers, 0),
@@ -106,14 +137,17 @@ class NT(ConvStack):
     def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NT", x, self.in_channels)
         csr = self._graphs("NT", edge_index, x.shape[0])
-        x = self.encoder(x)
+        ckpt = self.uses_checkpoint(x)
+        x = checkpointed(functools.partial(run_blocks, self.encoder), x) if ckpt else self.encoder(x)
         for index in range(self.num_layers):
-            x = self.block(index, x, csr, edge_attr)
-        return self.predictor(x)
+            x = self.block(index, x, csr, edge_attr, checkpoint=ckpt)
+        return checkpointed(functools.partial(run_blocks, self.predictor), x) if ckpt else self.predictor(x)
 
-    def block(self, index: int, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
+    def block(self, index: int, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None, *,
+              checkpoint: bool = False) -> torch.Tensor:
         """Residual block ``index`` on hidden features ``x`` (N, hidden_channels):
-        ``x + FFN([LayerNorm(x) |] conv(...))``.
+        ``x + FFN([LayerNorm(x) |] conv(...))``; with ``checkpoint`` the FFN (and the concatenation) is
+        checkpointed.
 
         ``forward`` is ``predictor(block(L-1, ... block(0, encoder(x)) ...))``;
         layer-wise inference (``nt_kernels.apps.minibatch.layerwise_logits``)
@@ -121,9 +155,33 @@ class NT(ConvStack):
         """
         nx = self.norms[index](x)
         h = self.convs[index](nx, edge_index, edge_attr)
-        if self.sep:
-            h = torch.cat([nx, h], dim=-1)
-        return x + self.ffns[index](h)
+        inputs = (nx, h) if self.sep else (h,)
+        if checkpoint:
+            return x + checkpointed(functools.partial(self._tail, index), *inputs)
+        return x + self.ffns[index](torch.cat(inputs, dim=-1) if self.sep else h)
+
+    def _tail(self, index: int, dropout, *inputs: torch.Tensor) -> torch.Tensor:
+        """The checkpointed part of block ``index``: ``FFN([nx |] h)``, its dropout applied by ``dropout``."""
+        return run_blocks(self.ffns[index], dropout, torch.cat(inputs, dim=-1) if self.sep else inputs[0])
+
+    def checkpoint_saving(self, num_nodes: int, *, activation: int = 4, parameter: int = 4) -> int:
+        """The memory model: bytes of activations that the node-level blocks keep for backward in a training
+        forward of ``num_nodes`` nodes and that checkpointing frees (an estimate, docs/nn.md).
+
+        ``activation``: bytes per kept element (2 under bf16 / fp16 autocast, else the parameters'
+        ``parameter`` bytes).  Per node: each block's FFN keeps its input (the ``sep`` concatenation), its
+        GELU's input and its second linear's input, (F + 2C) values, less what the checkpointed block keeps as
+        inputs that nothing else keeps (under autocast, the float32 LayerNorm output with ``sep``; the layer
+        output is kept by the layer's backward either way); the encoder its GELU's input (and the autocast copy
+        of the features), the predictor its linear's input and the LayerNorm's statistics.  Dropout's noise
+        is kept either way.
+        """
+        c, f = self.hidden_channels, (2 if self.sep else 1) * self.hidden_channels
+        autocast = activation < parameter
+        block = (f + 2 * c) * activation - (parameter * c if autocast and self.sep else 0)
+        encoder = c * activation + (self.in_channels * activation if autocast else 0)
+        predictor = c * activation + 2 * parameter
+        return num_nodes * (self.num_layers * block + encoder + predictor)
 
     def __repr__(self) -> str:
         parts = [str(self.in_channels), str(self.hidden_channels), f"num_layers={self.num_layers}"]
@@ -133,4 +191,6 @@ class NT(ConvStack):
         if self.dropout:
             parts.append(f"dropout={_format(self.dropout)}")
         parts += [f"{name}=True" for name in ("directed", "sep") if getattr(self, name)]
+        if self.checkpoint is not None:
+            parts.append(f"checkpoint={self.checkpoint}")
         return f"{type(self).__name__}({', '.join(parts + self._conv_options())})"

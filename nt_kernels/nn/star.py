@@ -1,11 +1,14 @@
 """NT*: Polynormer with NT layers as its local module (the paper's appendix "Comparing With Graph Transformers")."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch_geometric.nn.attention import PolynormerAttention
 
+from nt_kernels.nn.checkpoint import checkpointed
 from nt_kernels.nn.conv import (DirNT, NTConv, _check_dropout, _check_in_channels, _check_int, _check_x, _format,
                                 _GraphCache)
 from nt_kernels.nn.model import ConvStack
@@ -95,6 +98,11 @@ class NTStar(ConvStack):
         heads: heads of the NT layers and of the global attention; divides ``hidden_channels``.
         beta, global_beta: see above.
         directed: DirNT layers (edges and reversed edges) instead of NTConv.
+        checkpoint: activation checkpointing of the node-level blocks (the input
+            projection and each local block's gating tail around its NT layer;
+            :mod:`nt_kernels.nn.checkpoint`): ``None`` (default) where the memory
+            model says it pays (:meth:`checkpoint_saving` >= 1 GiB), ``True`` /
+            ``False``.  The loss and gradients are bitwise those without it.
         **conv_kwargs: the NT layers' other arguments (``aggr``, ``attention``,
             ``gate_group``, ``edge_dim``, ``backend``, ``fused``, ...).
     """
@@ -102,8 +110,9 @@ class NTStar(ConvStack):
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int, local_layers: int = 7,
                  global_layers: int = 2, *, in_dropout: float = 0.0, dropout: float = 0.0, global_dropout: float = 0.0,
                  heads: int = 1, beta: float | None = None, global_beta: float | None = None, directed: bool = False,
-                 **conv_kwargs):
+                 checkpoint: bool | None = None, **conv_kwargs):
         super().__init__()
+        self.checkpoint = checkpoint
         _check_in_channels("NTStar", in_channels)
         for name, value, low in (("hidden_channels", hidden_channels, 1), ("out_channels", out_channels, 1),
                                  ("local_layers", local_layers, 1), ("global_layers", global_layers, 0),
@@ -175,14 +184,13 @@ class NTStar(ConvStack):
     def forward(self, x: torch.Tensor, edge_index, edge_attr: torch.Tensor | None = None) -> torch.Tensor:
         _check_x("NTStar", x, self.in_channels)
         csr = self._graphs("NTStar", edge_index, x.shape[0])
-        x = F.dropout(x, self.in_dropout, self.training)
-        x = F.dropout(self.lin_in(x), self.dropout, self.training)
+        ckpt = self.uses_checkpoint(x)
+        x = checkpointed(self._input, x) if ckpt else self._input(self._dropout, x)
         x_local = 0
         for index, conv in enumerate(self.convs):
-            h = F.relu(self.h_lins[index](x))
-            y = F.dropout(F.relu(conv(x, csr, edge_attr) + self.lins[index](x)), self.dropout, self.training)
-            beta = self.local_beta(index)
-            x = (1 - beta) * self.lns[index](h * y) + beta * y
+            c = conv(x, csr, edge_attr)
+            x = (checkpointed(functools.partial(self._local_tail, index), x, c) if ckpt
+                 else self._local_tail(index, self._dropout, x, c))
             x_local = x_local + x
         if self._stage == "local":
             return self.pred_local(x_local)
@@ -190,6 +198,32 @@ class NTStar(ConvStack):
         for attention in self.global_attn:
             z = attention(z)
         return self.pred_global(z.squeeze(0))
+
+    def _dropout(self, y: torch.Tensor, p: float) -> torch.Tensor:
+        return F.dropout(y, p, self.training)
+
+    def _input(self, dropout, x: torch.Tensor) -> torch.Tensor:
+        """``Dropout(in_dropout) -> lin_in -> Dropout(dropout)``, the dropouts applied by ``dropout(y, p)``."""
+        p_in, p = (self.in_dropout, self.dropout) if self.training else (0.0, 0.0)
+        return dropout(self.lin_in(dropout(x, p_in)), p)
+
+    def _local_tail(self, index: int, dropout, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Local block ``index`` around its NT layer's output ``c``: ``h = ReLU(h_lins(x))``,
+        ``y = Dropout(ReLU(c + lins(x)))``, ``(1 - beta) LayerNorm(h * y) + beta y``."""
+        h = F.relu(self.h_lins[index](x))
+        y = dropout(F.relu(c + self.lins[index](x)), self.dropout if self.training else 0.0)
+        beta = self.local_beta(index)
+        return (1 - beta) * self.lns[index](h * y) + beta * y
+
+    def checkpoint_saving(self, num_nodes: int, *, activation: int = 4, parameter: int = 4) -> int:
+        """The memory model (as :meth:`NT.checkpoint_saving`): bytes the input projection and the local blocks'
+        tails keep for backward in a training forward of ``num_nodes`` nodes and checkpointing frees.  Per node
+        and block: the ReLU outputs, the gated product and ``y`` (3C values at ``activation`` bytes), the
+        LayerNorm's input and output (2C at ``parameter`` bytes, as autocast runs LayerNorm in float32); the
+        input projection its linear's input."""
+        c = self.hidden_channels
+        block = 3 * c * activation + 2 * c * parameter
+        return num_nodes * (self.local_layers * block + self.in_channels * activation)
 
     def __repr__(self) -> str:
         parts = [str(self.in_channels), str(self.hidden_channels), str(self.out_channels),
@@ -202,5 +236,7 @@ class NTStar(ConvStack):
             parts.append(f"global_beta={_format(self.global_beta)}")
         if self.directed:
             parts.append("directed=True")
+        if self.checkpoint is not None:
+            parts.append(f"checkpoint={self.checkpoint}")
         parts.append(f"stage={self._stage}")
         return f"{type(self).__name__}({', '.join(parts + self._conv_options())})"

@@ -7,13 +7,15 @@ On a bench graph's preset (default tolokers), fused layers, bf16 autocast, one p
    load) during ``--steps`` more steps, each drawing a fresh dropout seed;
 2. **host syncs**: one warm step under ``torch.cuda.set_sync_debug_mode("warn")``: how many
    synchronising calls it makes and the Python lines that made them (each warning's location);
-3. **CUDA graph**: the whole step (zero_grad, forward, loss, backward, Adam with
-   ``capturable=True``) captured by ``torch.cuda.graph`` and replayed ``--replays`` times,
+3. **CUDA graph** (issue 41's helper, ``nt_kernels.train.CapturedStep``): the whole step
+   (forward, loss, backward, fused capturable Adam) captured and replayed ``--replays`` times,
    against the same steps run eagerly on a twin model from the same state (both with
-   dropout 0, so that the two can agree); then, with the preset's dropout, the whole step
-   captured and replayed (finite losses), and the first fused NTConv's forward captured and
-   replayed twice, which must draw two different dropout masks (NTConv draws the seed on the
-   device in a capture).
+   dropout 0: the losses must agree bitwise, ``bitwise``); the replays under
+   ``torch.cuda.set_sync_debug_mode("error")`` (``replay_syncs``: none allowed); with the
+   preset's dropout, the whole step captured and replayed (finite losses), with the node-level
+   blocks checkpointed too (``checkpoint_losses``), and the first fused NTConv's forward captured
+   (``CapturedCall``) and replayed twice, which must draw two different dropout masks (NTConv
+   draws the seed on the device in a capture).
 
 On a machine without CUDA (a dry run of the GPU script) only step 1 runs, on the CPU
 with a cut-down graph; 2 and 3 are recorded as ``skipped``.
@@ -69,7 +71,7 @@ def setup(args, device, dropout=None):
     return graph, csr, model
 
 
-def step(model, optimizer, graph, csr):
+def step_fn(model, optimizer, graph, csr):
     return _step(model, optimizer, graph.x, graph.y, graph.loss_nodes, csr, autocast=True)
 
 
@@ -84,7 +86,7 @@ class WarmStep:
             self()
 
     def __call__(self):
-        return step(self.model, self.optimizer, self.graph, self.csr)
+        return step_fn(self.model, self.optimizer, self.graph, self.csr)
 
 
 def compiles(args, device, warm) -> dict:
@@ -114,62 +116,67 @@ def syncs(args, device, warm) -> dict:
             "message": str(syncs[0].message)[:300] if syncs else None}
 
 
-def capture(fn, warm, device):
-    """(graph, fn's output captured) after ``warm()`` ran on a side stream, as torch.cuda.graph asks."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        warm()
-    torch.cuda.current_stream(device).wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
+def captured(model, graph, csr):
+    """A CapturedStep of the bench step (bf16 autocast) on ``model`` with fused capturable Adam, and its call."""
+    from nt_kernels.train import CapturedStep
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, fused=True, capturable=True)
+    nodes = graph.loss_nodes
+    target = graph.y if nodes is None else graph.y.index_select(0, nodes)
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out if nodes is None else out.index_select(0, nodes), target)
+
+    step = CapturedStep(model, optimizer, loss_fn, autocast=torch.bfloat16)
+    return step, lambda: step(graph.x, csr, target=target)
 
 
 def cuda_graph(args, device, warm) -> dict:  # its own models: one without dropout, one with
+    from nt_kernels.train import CapturedCall
+
     result = {}
     # 1. The whole step without dropout: replays against the same steps run eagerly on a twin model.
     graph, csr, eager = setup(args, device, dropout=0.0)
-    captured = copy.deepcopy(eager)
-    opt_eager = torch.optim.Adam(eager.parameters(), lr=LEARNING_RATE, capturable=True)
-    opt_graph = torch.optim.Adam(captured.parameters(), lr=LEARNING_RATE, capturable=True)
-    for _ in range(args.warmup):
-        step(eager, opt_eager, graph, csr)
+    twin = copy.deepcopy(eager)
+    opt_eager = torch.optim.Adam(eager.parameters(), lr=LEARNING_RATE, fused=True, capturable=True)
+    step, call = captured(twin, graph, csr)
     try:
-        g, static_loss = capture(lambda: step(captured, opt_graph, graph, csr),
-                                 lambda: [step(captured, opt_graph, graph, csr) for _ in range(args.warmup)], device)
+        replayed = [float(call())]
     except Exception as exc:  # noqa: BLE001  (recorded: the target is that capture works)
         return {"captured": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
-    replayed, expected = [], []
-    for _ in range(args.replays):
-        g.replay()
-        replayed.append(float(static_loss))
-        expected.append(float(step(eager, opt_eager, graph, csr)))
+    expected = [float(step_fn(eager, opt_eager, graph, csr))]
+    for _ in range(args.replays - 1):
+        replayed.append(float(call()))
+        expected.append(float(step_fn(eager, opt_eager, graph, csr)))
     worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(replayed, expected))
-    result.update(captured=True, replay_losses=replayed, eager_losses=expected, max_rel_diff=worst,
-                  same_loss=worst <= 1e-3)
-    # 2. With the preset's dropout: the whole step captures, and a captured forward draws a new mask per replay
-    # (NTConv draws the seed on the device inside a capture).
-    graph, csr, model = setup(args, device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE, capturable=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        g, static_loss = capture(lambda: step(model, optimizer, graph, csr),
-                                 lambda: [step(model, optimizer, graph, csr) for _ in range(args.warmup)], device)
-        losses = []
-        for _ in range(args.replays):
-            g.replay()
-            losses.append(float(static_loss))
-        # one fused NTConv alone (the model's other dropouts would differ per replay anyway)
+        call()
+        replay_syncs = 0
+    except RuntimeError as exc:
+        replay_syncs = f"{exc}"[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    result.update(captured=step.captured, replay_losses=replayed, eager_losses=expected, max_rel_diff=worst,
+                  bitwise=replayed == expected, same_loss=worst <= 1e-3, replay_syncs=replay_syncs)
+    # 2. With the preset's dropout (and then with checkpointed node-level blocks): the whole step captures, and
+    # a captured forward draws a new mask per replay (NTConv draws the seed on the device inside a capture).
+    try:
+        for key, checkpoint in (("dropout_step_losses", None), ("checkpoint_losses", True)):
+            graph, csr, model = setup(args, device)
+            model.checkpoint = checkpoint
+            _, call = captured(model, graph, csr)
+            result[key] = [float(call()) for _ in range(args.replays)]
         conv = model.convs[0]
+        conv.dropout = 0.2  # NT's layers have no dropout of their own in the presets (it is on the FFNs)
         x = torch.randn(graph.x.shape[0], conv.in_channels, device=device)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            g, out = capture(lambda: conv(x, csr), lambda: conv(x, csr), device)
-            g.replay()
-            first = out.clone()
-            g.replay()
-        result.update(dropout_step_losses=losses, dropout_finite=all(map(math.isfinite, losses)),
-                      fresh_mask_per_replay=not torch.equal(first, out))
+            forward = CapturedCall(lambda x, csr: conv(x, csr).clone())
+            first = forward(x, csr).clone()
+            second = forward(x, csr)
+        result.update(dropout_finite=all(map(math.isfinite, result["dropout_step_losses"])),
+                      fresh_mask_per_replay=not torch.equal(first, second), forward_captured=forward.captured)
     except Exception as exc:  # noqa: BLE001
         result.update(dropout_error=f"{type(exc).__name__}: {exc}"[:600])
     return result
