@@ -66,7 +66,7 @@ check: $(STAMP)
 # with GPU_PYTHON (required: a Python with the GPU machine's Python and torch, e.g.
 # 3.12 + torch 2.11.0+cu130, in a venv of its own), the real graphs and (TRITON_AOT=1,
 # the default) the Triton cache for sm_90 compiled ahead with GPU_PYTHON's Triton.
-# docs/results.md, "GPU: how to run".
+# docs/running.md, "GPU: how to run".
 TRITON_AOT ?= 1
 gpu-bundle:
 	GPU_PYTHON="$(GPU_PYTHON)" TRITON_AOT=$(TRITON_AOT) bash scripts/gpu/gpu_bundle.sh

@@ -1,4 +1,4 @@
-"""The ``nt-kernels`` command: info, check, demo, bench, train, tune."""
+"""The ``nt-kernels`` command: info, check, demo, bench, results, train, tune."""
 from __future__ import annotations
 
 import argparse
@@ -66,7 +66,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nt_kernels.apps import check, demo, train, tune
+    from nt_kernels.apps import check, demo, results_page, train, tune
     from nt_kernels.bench import cli as bench
 
     parser = argparse.ArgumentParser(
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)
+    results_page.add_parser(sub)
     train.add_parser(sub)
     tune.add_parser(sub)
     return parser

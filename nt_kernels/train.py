@@ -2,7 +2,7 @@
 
 PyTorch's whole-network capture recipe (static inputs, warm-up on a side
 stream, then ``torch.cuda.graph``), packaged for full-batch node
-classification (docs/nn.md, "Training with and without capture"):
+classification (docs/training.md, "Training with and without capture"):
 
 * :class:`CapturedStep` -- forward, loss, backward and optimizer step
   captured in one CUDA graph at the first call and replayed at every later

@@ -1,4 +1,4 @@
-"""The table of docs/results.md "Low-precision bounds": bound / max|reference| of every low-precision
+"""The table of docs/runs/cpu-2026-11-27-bounds.md (low-precision bounds): bound / max|reference| of every low-precision
 check row and test comparison, grouped, with the worst case named.
 
 Inputs: ``nt-kernels check --json`` files (their bfloat16 and float16 rows) and the JSON lines that

@@ -3,7 +3,7 @@
 Counts what each kernel of nt_kernels/backends/triton/ntconv_op.py must read and write for one layer of R
 packed rows (each value once; 32-byte sectors, L2 hits and the plan's small tables not counted) and the
 tensor-core FLOPs of its products, and the time each implies at the H100 roofline: 3.0 TB/s copy bandwidth
-(docs/results.md, roofline run) and 989 TFLOP/s dense bf16.  Arithmetic, unverified on GPU.  The default
+(docs/runs/h100-2026-11-26.md, roofline run) and 989 TFLOP/s dense bf16.  Arithmetic, unverified on GPU.  The default
 shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
 gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features), its rows in the
 classes the attention kernels see (packed exact tiles, multi-tile exact segments, Performer segments: built in,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-BANDWIDTH = 3.0e12   # bytes/s, H100 copy (measured, docs/results.md)
+BANDWIDTH = 3.0e12   # bytes/s, H100 copy (measured, docs/runs/h100-2026-11-26.md)
 TENSOR_FLOPS = 989e12  # dense bf16, H100 SXM
 PERFORMER_CHUNK = 256  # rows per chunk of the CUDA Performer kernels (csrc/cuda/segment_performer_*.cuh)
 

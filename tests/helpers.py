@@ -40,7 +40,7 @@ inputs is the better-conditioned baseline):
 
 With ``$NT_KERNELS_BOUND_LOG`` set, every low-precision comparison appends one JSON line
 (test, tensor, dtype, bound, max |reference|, error, baseline) to that file:
-``scripts/bound_table.py`` turns it into the table of docs/results.md.
+``scripts/bound_table.py`` turns it into the table of docs/runs/cpu-2026-11-27-bounds.md.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nt_kernels.bench import cli as bench
+from nt_kernels.bench import headline
 from nt_kernels.bench import plot as bench_plot
 
 NUMBER = {"type": "number"}
@@ -241,7 +242,8 @@ def test_performer_subset_and_its_peers(tmp_path):
     assert by_name["performer-pytorch"]["status"] == "ok"
     assert by_name["performer-pytorch"]["padded_calls"] >= 1
     assert doc["summary"]["fastest_peer"] in ("performer-pytorch", "performer-pytorch-sizes")
-    assert bench_plot.peers_block(tmp_path).count("\n") == 2                     # header, rule, one row
+    table = headline.op_table(tmp_path, "cpu", tmp_path, tmp_path)                 # header, rule, one row
+    assert table.count("\n") == 2 and f"| [{doc['summary']['fastest_peer']}: " in table
 
 
 def test_memory_cap_skips_padded_strategies(tmp_path):
@@ -255,20 +257,28 @@ def test_memory_cap_skips_padded_strategies(tmp_path):
 
 
 def test_results_markdown_and_plot(tmp_path):
+    """--plot draws the figure and writes the result file's block once (a new one in results.md); a block
+    that a run page under runs/ holds is rewritten there, with the figure linked from there."""
     pytest.importorskip("matplotlib")
     args = _args(tmp_path, "--backends", "partitioned-0.4,sequential")
     assert args.func(args) == 0
     docs_dir = tmp_path / "docs"
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "run.json").write_text((tmp_path / "run.json").read_text())
     doc = json.loads((tmp_path / "run.json").read_text())
     for _ in range(2):
-        written = bench_plot.publish([(doc, tmp_path / "run.json")], docs_dir, tmp_path / "results")
+        written = bench_plot.publish([(doc, tmp_path / "run.json")], docs_dir)
     text = (docs_dir / "results.md").read_text()
-    assert text.count("<!-- bench:run -->") == 1 and text.count("<!-- bench:summary -->") == 1
+    assert text.count("<!-- bench:run -->") == 1 and "](efficiency-run.png)" in text
     assert "| partitioned-0.4 |" in text
     assert (docs_dir / "efficiency-run.png").stat().st_size > 0
     assert docs_dir / "results.md" in written
+    docs_dir = tmp_path / "docs-with-runs"
+    (docs_dir / "runs").mkdir(parents=True)
+    (docs_dir / "runs" / "cpu-run.md").write_text("# A run\n\n<!-- bench:run -->\nold\n<!-- /bench:run -->\n")
+    written = bench_plot.publish([(doc, tmp_path / "run.json")], docs_dir)
+    page = (docs_dir / "runs" / "cpu-run.md").read_text()
+    assert docs_dir / "runs" / "cpu-run.md" in written and "\nold\n" not in page
+    assert not (docs_dir / "results.md").exists()
+    assert "| partitioned-0.4 |" in page and "](../efficiency-run.png)" in page
 
 
 def test_outputs_default_to_the_current_directory(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ Full batch by default; ``--batch-size`` trains on NeighborLoader mini-batches
 of seed nodes, and under ``torchrun --nproc-per-node N -m nt_kernels.cli train``
 every process trains on its own shard of the seeds through DDP (only rank 0
 prints and writes files); ``--save`` / ``--resume`` keep the best-validation
-checkpoint (docs/nn.md, "Mini-batches and data parallel").
+checkpoint (docs/training.md, "Mini-batches and data parallel").
 
 On CUDA the full-batch training step (forward, loss, backward, fused Adam)
 and the evaluation forward are captured in CUDA graphs and replayed every

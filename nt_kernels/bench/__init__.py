@@ -7,5 +7,7 @@
 * :mod:`nt_kernels.bench.measure`: the measuring worker (memory, time, error) and the run's provenance;
 * :mod:`nt_kernels.bench.layer`: ``--layer``, NT training steps fused vs unfused, with its graphs
   (:mod:`nt_kernels.bench.layer_graphs`) and its table (:mod:`nt_kernels.bench.layer_report`);
-* :mod:`nt_kernels.bench.plot`: the efficiency figure and the tables of docs/results.md.
+* :mod:`nt_kernels.bench.plot`: the efficiency figure and each result file's block (on its run page);
+* :mod:`nt_kernels.bench.headline`: the op and layer headline tables of docs/results.md (``nt-kernels
+  results``, :mod:`nt_kernels.apps.results_page`).
 """

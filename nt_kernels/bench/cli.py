@@ -385,9 +385,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="measure nothing: print, plot and tabulate these result files")
     p.add_argument("--plot", action="store_true",
-                   help="draw the efficiency figures and update results.md in --docs-dir")
+                   help="draw the efficiency figures and write each result file's block in --docs-dir (on the page "
+                        "that holds it, a new one in results.md; the headline tables: nt-kernels results)")
     p.add_argument("--docs-dir", default=".",
-                   help="where --plot writes the figures and results.md (default: the current directory)")
+                   help="where --plot writes the figures and the blocks (default: the current directory)")
     p.set_defaults(func=run)
     layer.add_arguments(p)
     layer_profile.add_arguments(p)

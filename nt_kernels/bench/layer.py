@@ -52,8 +52,8 @@ one that compiles):
   peaks are then lower bounds); ``--dry-run`` shrinks every graph (e.g. to
   check the GPU commands on a CPU).
 
-Graphs and presets: :mod:`nt_kernels.bench.layer_graphs`; the printed table and the block of
-docs/results.md: :mod:`nt_kernels.bench.layer_report`.
+Graphs and presets: :mod:`nt_kernels.bench.layer_graphs`; the printed table and the layer block of
+the docs: :mod:`nt_kernels.bench.layer_report`; the headline tables: :mod:`nt_kernels.bench.headline`.
 """
 from __future__ import annotations
 
@@ -411,7 +411,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(step minus summed kernel time) reported; every peak above the baseline and absolute; --checkpoint "
         "sets NT's activation checkpointing; --device, --threads, --seed, --memory-cap-gb (CPU workers' "
         "address-space cap), --in-process, --data-root, --out, --from-json and --plot (the layer block of "
-        "results.md) apply")
+        "the docs) apply")
     group.add_argument("--layer", action="store_true", help="measure NT training steps instead of the op")
     group.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                        help="comma list of fused, unfused and released (unfused with the paper's released "
@@ -453,7 +453,7 @@ def graph_names(spec: str) -> list[str]:
 
 
 def run(args) -> int:
-    """``nt-kernels bench --layer``: measure (or read --from-json), print, write JSON, update results.md."""
+    """``nt-kernels bench --layer``: measure (or read --from-json), print, write JSON, update the layer block."""
     if args.from_json:
         docs = bm.read_results(args.from_json)
     else:

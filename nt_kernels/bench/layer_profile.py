@@ -204,7 +204,7 @@ def worker_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["settings"]["threads"])
     device = torch.device("cpu")
-    graph, csr, model, threshold = layer._setup(spec, device, {"fused": True})
+    graph, csr, model, threshold = layer._setup(spec, device, {"fused": True, "variant": "fused"})
     optimizer = torch.optim.Adam(model.parameters(), lr=layer.LEARNING_RATE)
     layer._tiny_warmup(model, graph, threshold, False)
     _emit({"ready": True, "isa": extension().cpu_isa(), "shape": layer_shape(model, csr),
@@ -409,7 +409,7 @@ def format_table(doc: dict) -> str:
 
 
 def markdown(doc: dict) -> str:
-    """The per-stage table of one profile document (the block in docs/results.md)."""
+    """The per-stage table of one profile document (the block in docs/runs/cpu-2026-11-27-avx512.md)."""
     isas, sm = list(doc["paths"]), summary(doc)
     head = "| stage | GFLOP | MB | " + " | ".join(f"{isa} ms | {isa} GFLOP/s | {isa} % of peak" for isa in isas) + " |"
     lines = [head, "|---|---:|---:|" + "---:|---:|---:|" * len(isas)]
@@ -438,14 +438,11 @@ def default_out(doc: dict, results_dir: Path) -> Path:
 
 
 def publish(doc: dict, docs_dir: Path) -> Path:
-    """Write the profile block (``<!-- bench:layer-profile-GRAPH -->``) of ``docs_dir``/results.md."""
-    from nt_kernels.bench.plot import replace_block
+    """Write the profile block (``<!-- bench:layer-profile-GRAPH -->``) on the page of ``docs_dir`` that holds
+    it (results.md when none does)."""
+    from nt_kernels.bench.plot import write_block
 
-    md = docs_dir / "results.md"
-    text = md.read_text() if md.is_file() else "# Results\n"
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(replace_block(text, f"layer-profile-{doc['graph']}", markdown(doc)))
-    return md
+    return write_block(docs_dir, f"layer-profile-{doc['graph']}", markdown(doc))
 
 
 # -------------------------------------------------------------------- CLI
@@ -464,7 +461,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    """``nt-kernels bench --layer --profile``: measure (or read --from-json), print, write JSON, update results.md."""
+    """``nt-kernels bench --layer --profile``: measure (or read --from-json), print, write JSON, update its block."""
     from nt_kernels.bench import measure as bm
 
     if args.from_json:

@@ -1,9 +1,37 @@
 """What ``nt-kernels bench --layer`` prints and publishes: the table of one run and the layer
-block of docs/results.md, from the JSON documents of :mod:`nt_kernels.bench.layer`."""
+block of the docs (docs/runs/cpu-2026-11-26-layer.md), from the JSON documents of
+:mod:`nt_kernels.bench.layer`, and from the GPU runs' ``perf-layer*.json`` (``scripts/gpu/gpu_profile.py``'s
+documents: more variants, no load average), which :func:`normalise` reads into the same form."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+
+def is_profile_run(doc: dict) -> bool:
+    """A training-step document of ``scripts/gpu/gpu_profile.py`` (``gpu_perf.sh``'s layer stage)."""
+    return isinstance(doc.get("variants"), list) and isinstance(doc.get("graph"), str)
+
+
+def normalise(doc: dict) -> dict:
+    """A layer document in the form of :mod:`nt_kernels.bench.layer`'s: its own documents as they are,
+    ``gpu_profile.py``'s with their variants as ``results`` (``fused``, ``fused:tc``, ``unfused``, ...) and
+    the speed-up and memory ratio of ``fused`` against ``unfused`` as the summary."""
+    if not is_profile_run(doc):
+        return doc
+    results = [{key: entry.get(key) for key in ("variant", "status", "step_ms", "peak_memory_bytes", "step_ms_runs",
+                                                 "warmup_ms_runs")} for entry in doc["variants"]]
+    by_variant = {e["variant"]: e for e in results}
+    fused, unfused = by_variant.get("fused", {}), by_variant.get("unfused", {})
+    summary = {"fused": fused.get("status", "not run"), "unfused": unfused.get("status", "not run")}
+    if summary["fused"] == summary["unfused"] == "ok":
+        summary["speedup"] = unfused["step_ms"] / fused["step_ms"]
+        summary["memory_ratio"] = fused["peak_memory_bytes"] / unfused["peak_memory_bytes"]
+    preset = {"name": doc["graph"], **doc["preset"]}
+    return {"kind": "layer", "source": "gpu_profile", "device": {"name": doc["device_name"], "type": doc["device"]},
+            "versions": {"torch": doc["torch"]}, "graph": {"name": doc["graph"]}, "preset": preset,
+            "settings": {"dtype": doc["dtype"], "dry_run": False, "warmup": doc["warmup"], "repeats": doc["repeats"]},
+            "results": results, "summary": summary}
 
 
 def _mib(value) -> str:
@@ -16,7 +44,7 @@ def _ms(value) -> str:
 
 def _graph_text(g: dict) -> str:
     if "num_messages" not in g:
-        return f"{g['name']}: {g['status']}"
+        return f"{g['name']}: {g.get('status', 'graph not recorded')}"
     return (f"{g['name']}: N={g['num_nodes']:,}, {g['num_messages']:,} messages, max degree {g['max_degree']:,}; "
             f"threshold {g['threshold']:.1f}: exact {g['messages']['exact']:,} messages in "
             f"{g['segments']['exact']:,} segments, Performer {g['messages']['performer']:,} in "
@@ -33,9 +61,11 @@ def _ratio_text(summary: dict) -> str:
     if "speedup" not in summary:
         return f"no ratio (fused: {summary['fused']}; unfused: {summary['unfused']})"
     memory = summary["memory_ratio"]
+    total = summary.get("memory_ratio_total")
     return (f"fused is {summary['speedup']:.2f}x faster per step, "
             + (f"{memory:.3f}x" if memory is not None else "n/a (unfused peak 0) x")
-            + f" the step's peak memory of fused=False ({summary['memory_ratio_total']:.3f}x with the baseline)")
+            + " the step's peak memory of fused=False"
+            + (f" ({total:.3f}x with the baseline)" if total is not None else ""))
 
 
 def _absolute(e: dict):
@@ -62,17 +92,19 @@ def _notes(e: dict) -> list[str]:
 
 
 def format_table(doc: dict) -> str:
+    doc = normalise(doc)
     s = doc["settings"]
+    where = doc["device"]["name"] + (f", {s['threads']} threads" if "threads" in s else "")
+    if "load_average" in doc:
+        where += f", load average {doc['load_average']['start'][0]:.1f} -> {doc['load_average']['end'][0]:.1f}"
     lines = [_graph_text(doc["graph"]),
-             f"{_preset_text(doc)} | {s['dtype']} | checkpoint {s.get('checkpoint', 'auto')} | "
-             f"{doc['device']['name']}, {s['threads']} threads, "
-             f"load average {doc['load_average']['start'][0]:.1f} -> {doc['load_average']['end'][0]:.1f}",
-             f"{'variant':8s} {'step ms':>10s} {'captured':>10s} {'host ms':>9s} {'kernel ms':>10s} "
+             f"{_preset_text(doc)} | {s['dtype']} | checkpoint {s.get('checkpoint', 'auto')} | {where}",
+             f"{'variant':18s} {'step ms':>10s} {'captured':>10s} {'host ms':>9s} {'kernel ms':>10s} "
              f"{'peak MiB':>10s} {'abs peak':>10s} {'baseline MiB':>13s}  status"]
     notes = []
     for e in doc["results"]:
         step = f"{e['step_ms']:10.1f}" if e.get("step_ms") is not None else f"{'-':>10s}"
-        lines.append(f"{e['variant']:8s} {step} {_optional_ms(e.get('captured'), 'step_ms'):>10s} "
+        lines.append(f"{e['variant']:18s} {step} {_optional_ms(e.get('captured'), 'step_ms'):>10s} "
                      f"{_optional_ms(e.get('host_share'), 'host_ms'):>9s} "
                      f"{_optional_ms(e.get('host_share'), 'kernel_ms'):>10s} "
                      f"{_mib(e.get('peak_memory_bytes')):>10s} {_mib(_absolute(e)):>10s} "
@@ -83,7 +115,7 @@ def format_table(doc: dict) -> str:
 
 
 def layer_block(results_dir: Path) -> str:
-    """The markdown table of every layer result file in ``results_dir`` (the block in docs/results.md)."""
+    """The markdown table of every layer result file in ``results_dir`` (the layer block of the docs)."""
     lines = ["| device | graph | preset | dtype | fused step ms | fused=False step ms | speed-up | fused peak MiB "
              "above baseline / absolute | fused=False peak MiB above baseline / absolute | memory ratio | raw |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -130,11 +162,8 @@ def layer_block(results_dir: Path) -> str:
 
 
 def publish(docs: list[tuple[dict, Path]], docs_dir: Path) -> Path:
-    """Write the layer block of ``docs_dir``/results.md from the result files next to the first document."""
-    from nt_kernels.bench.plot import replace_block
+    """Write the layer block from the result files next to the first document, on the page of ``docs_dir``
+    that holds it (results.md when none does); the headline tables are ``nt-kernels results``'s."""
+    from nt_kernels.bench.plot import write_block
 
-    md = docs_dir / "results.md"
-    text = md.read_text() if md.is_file() else "# Results\n"
-    md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(replace_block(text, "layer", layer_block(docs[0][1].parent)))
-    return md
+    return write_block(docs_dir, "layer", layer_block(docs[0][1].parent))

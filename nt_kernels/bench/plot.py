@@ -8,22 +8,21 @@ from the checkout as ``make bench`` does),
   memory (log scale), the curve is forward+backward time, across the paper's
   parallel, by-size, partitioned(alpha) and sequential strategies, with our
   fused op as its own bar and a dashed line at its time;
-* writes or replaces one marked block per result file in results.md, the
-  summary block that lists every result file of the results directory (by
-  default the one holding the published documents), and the peers block
-  ("ours vs what you would write instead": fused against the fastest peer).
+* writes or replaces one marked block per result file (its table and figure) on
+  the page that holds it: results.md or a run page under runs/.
+
+The headline tables of results.md (ours against the peers and the paper's
+strategies, every result file) are :mod:`nt_kernels.bench.headline`'s.
 """
 from __future__ import annotations
 
-import json
+import os
 import re
 from pathlib import Path
 
 from nt_kernels.bench.measure import FORWARD_ONLY
 
 PLOT_ORDER_FAMILIES = ("parallel", "by-size", "partitioned", "sequential", "fused")
-SUMMARY_KEY = "summary"
-PEERS_KEY = "peers"
 
 
 def _label(entry: dict) -> str:
@@ -161,47 +160,6 @@ def result_block(doc: dict, json_path: Path) -> str:
     return "\n".join(lines)
 
 
-def summary_block(results_dir: Path) -> str:
-    lines = ["| device | graph | settings | fused fwd+bwd ms | fastest strategy | its fwd+bwd ms | speed-up "
-             "| memory ratio (fused / fastest) | memory ratio (fused / α=0.4) |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|"]
-    for path in sorted(results_dir.glob("*.json")):
-        doc = json.loads(path.read_text())
-        sm, by_name = doc.get("summary", {}), {e["backend"]: e for e in doc["results"]}
-        if "speedup_fwd_bwd_vs_best" not in sm:
-            continue
-        best = by_name[sm["best_strategy"]]
-        lines.append(f"| {doc['device']['name']} | {doc['graph']['name']} | {_settings_text(doc)} | "
-                     f"{by_name['fused']['forward_backward_ms']:.1f} | {sm['best_strategy']} | "
-                     f"{best['forward_backward_ms']:.1f} | {_fmt(sm['speedup_fwd_bwd_vs_best'], '.2f')}× | "
-                     f"{_fmt(sm['memory_ratio_vs_best'], '.3f')} | "
-                     f"{_fmt(sm.get('memory_ratio_vs_partitioned_0.4'), '.3f')} |")
-    return "\n".join(lines)
-
-
-def peers_block(results_dir: Path) -> str:
-    """Table "ours vs what you would write instead": fused against the fastest peer of every result file."""
-    lines = ["| device | graph | settings | fused fwd+bwd ms | fastest peer (fwd+bwd) | its fwd+bwd ms | speed-up "
-             "| memory ratio (fused / peer) | fastest peer (forward) | speed-up forward |",
-             "|---|---|---|---:|---|---:|---:|---:|---|---:|"]
-    for path in sorted(results_dir.glob("*.json")):
-        doc = json.loads(path.read_text())
-        sm, by_name = doc.get("summary", {}), {e["backend"]: e for e in doc["results"]}
-        if "speedup_fwd_vs_fastest_peer_forward" not in sm:
-            continue
-        peer = by_name.get(sm.get("fastest_peer"), {})
-        forward_peer = sm["fastest_peer_forward"]
-        if by_name[forward_peer].get("status") == FORWARD_ONLY:
-            forward_peer += " (forward only)"
-        lines.append(f"| {doc['device']['name']} | {doc['graph']['name']} | {_settings_text(doc)} | "
-                     f"{by_name['fused']['forward_backward_ms']:.1f} | {sm.get('fastest_peer', '–')} | "
-                     f"{_fmt(peer.get('forward_backward_ms'), '.1f')} | "
-                     f"{_fmt(sm.get('speedup_fwd_bwd_vs_fastest_peer'), '.2f')}× | "
-                     f"{_fmt(sm.get('memory_ratio_vs_fastest_peer'), '.3f')} | {forward_peer} | "
-                     f"{_fmt(sm['speedup_fwd_vs_fastest_peer_forward'], '.2f')}× |")
-    return "\n".join(lines)
-
-
 def replace_block(text: str, key: str, body: str) -> str:
     """Replace the block between ``<!-- bench:key -->`` markers, or append it."""
     start, end = f"<!-- bench:{key} -->", f"<!-- /bench:{key} -->"
@@ -212,24 +170,49 @@ def replace_block(text: str, key: str, body: str) -> str:
     return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
-def publish(docs: list[tuple[dict, Path]], docs_dir: Path, results_dir: Path | None = None) -> list[Path]:
-    """Draw the figures and update ``docs_dir``/results.md; returns the paths written.
+def block_page(docs_dir: Path, key: str, default: str = "results.md") -> Path:
+    """The page that holds the block ``key``: the first of ``docs_dir``'s ``*.md`` and ``runs/*.md`` with its
+    start marker, else ``docs_dir``/``default`` (where a new block is appended)."""
+    marker = f"<!-- bench:{key} -->"
+    for page in sorted(docs_dir.glob("*.md")) + sorted(docs_dir.glob("runs/*.md")):
+        if marker in page.read_text():
+            return page
+    return docs_dir / default
 
-    The summary block lists the result files of ``results_dir`` (default: the
-    directory of the first published document).
+
+def write_block(docs_dir: Path, key: str, body) -> Path:
+    """Replace (or append) the block ``key`` in the page that holds it (:func:`block_page`); ``body`` is the
+    block's text, or a function of the page's path that returns it.  Returns the page."""
+    page = block_page(docs_dir, key)
+    text = page.read_text() if page.is_file() else "# Results\n"
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(replace_block(text, key, body(page) if callable(body) else body))
+    return page
+
+
+def figure_link(doc: dict, path: Path, page: Path, docs_dir: Path) -> str:
+    """The figure line under a result block, relative to the page that holds it."""
+    figure = os.path.relpath(docs_dir / f"efficiency-{path.stem}.png", page.parent)
+    return f"![efficiency figure: {doc['graph']['name']}]({Path(figure).as_posix()})"
+
+
+def result_section(doc: dict, path: Path, page: Path, docs_dir: Path) -> str:
+    """The block of one result file as it stands on ``page``: its table and its figure."""
+    return result_block(doc, path) + "\n\n" + figure_link(doc, path, page, docs_dir)
+
+
+def publish(docs: list[tuple[dict, Path]], docs_dir: Path) -> list[Path]:
+    """Draw the figures into ``docs_dir`` and write each result file's block where it stands.
+
+    A block stays on the page that holds it (results.md or a run page under runs/, :func:`block_page`); a
+    new one is appended to results.md.  The headline tables are ``nt-kernels results``'s.  Returns the paths
+    written.
     """
-    if results_dir is None:
-        results_dir = docs[0][1].parent if docs else Path(".")
     docs_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_efficiency([doc], docs_dir / f"efficiency-{path.stem}.png") for doc, path in docs]
-    md = docs_dir / "results.md"
-    text = md.read_text() if md.is_file() else "# Results\n"
-    text = replace_block(text, SUMMARY_KEY, summary_block(results_dir))
-    text = replace_block(text, PEERS_KEY, peers_block(results_dir))
     for doc, path in docs:
-        body = result_block(doc, path)
-        body += f"\n\n![efficiency figure: {doc['graph']['name']}](efficiency-{path.stem}.png)"
-        text = replace_block(text, path.stem, body)
-    md.write_text(text)
-    written.append(md)
+        page = write_block(docs_dir, path.stem, lambda page, doc=doc, path=path: result_section(doc, path, page,
+                                                                                               docs_dir))
+        if page not in written:
+            written.append(page)
     return written

@@ -17,7 +17,7 @@
 #        cache-invalidating environment) equals this one, else the kernels compile there as before
 #
 # GPU_PYTHON (required) is a Python with the GPU machine's Python and torch (the GPU image's: 3.12,
-# torch 2.11.0+cu130), in a venv of its own that also has the build tools (docs/results.md, "GPU:
+# torch 2.11.0+cu130), in a venv of its own that also has the build tools (docs/running.md, "GPU:
 # how to run").  Then copy the working tree with .gpu-bundle/ to a GPU machine and run
 # `bash scripts/gpu/gpu_check.sh` or `bash scripts/gpu/gpu_perf.sh` in its root: they install the wheel
 # when the hash of csrc/ and CMakeLists.txt still matches (`bash scripts/gpu/gpu_bundle.sh --hash`)
@@ -41,7 +41,7 @@ triton_only=0
 if [ -z "${GPU_PYTHON:-}" ]; then
   echo "gpu-bundle: set GPU_PYTHON to the Python to build the GPU wheel with: the GPU machine's Python" \
     "and torch (3.12, torch 2.11.0+cu130), e.g. make gpu-bundle GPU_PYTHON=<venv>/bin/python" \
-    "(docs/results.md, \"GPU: how to run\")" >&2
+    "(docs/running.md, \"GPU: how to run\")" >&2
   exit 2
 fi
 PY=$GPU_PYTHON

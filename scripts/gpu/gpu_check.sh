@@ -4,7 +4,7 @@
 # result written to $OUT as soon as it exists: 1-env.log 2-check.log 3-tests.log 5-sanitize.log
 # summary.json results.tar.gz.  First `make gpu-bundle GPU_PYTHON=...` on a machine without a GPU (the
 # wheel, the graphs, the Triton cache for sm_90: scripts/gpu/gpu_bundle.sh), then, in the tree's root on
-# the GPU machine, `bash scripts/gpu/gpu_check.sh` (docs/results.md, "A 15-minute GPU run").  Dry run on
+# the GPU machine, `bash scripts/gpu/gpu_check.sh` (docs/running.md, "A 15-minute GPU run").  Dry run on
 # a CPU (CUDA stages print SKIP and run cut-down CPU versions; tests/test_gpu_scripts.py runs it):
 # GPU_SITE=installed bash scripts/gpu/gpu_check.sh
 #
