@@ -4,7 +4,9 @@
 csrc/cuda/segment_performer_fl_*.cuh compute them, in float32 with the kernels' roundings to
 q.dtype at the tensor-core operands, their tiles and their order of sums:
 
-* chunks of 256 rows, tiles of 64 rows, 16 rows per warp, features in tiles of 16;
+* chunks of 256 rows, tiles of 64 rows, 16 rows per warp, features in tiles of 16; the segments
+  sorted longest first (stable) give the chunk slots, and a segment's chunks inside one run of 4
+  slots (a CTA's visit) form a portion, summed into one partial record;
 * keys: per-feature running maxima per 16-row step, kept per row group (the warps that split a
   tile's rows when the features need fewer than four warps), A += e^T (v, 1) with e rounded, B as
   A's row m (e = 1); the combine in chunk and row-group order, W' = T(sigma W), its column sums;
@@ -26,7 +28,7 @@ import math
 
 import torch
 
-CHUNK, TILE, WARP_ROWS, FRAG = 256, 64, 16, 16
+CHUNK, TILE, WARP_ROWS, FRAG, RUN = 256, 64, 16, 16, 4
 FWD_BLOCK = 4   # feature tiles per block of the online query maximum
 EPS = 1e-4
 MUTANTS = ("keys: no rescale when a feature max rises", "keys: B (eps term) dropped",
@@ -91,18 +93,40 @@ class Setup:
         return self.mm(x, self.proj.T), self.dsc * (x * x).sum(1, keepdim=True)
 
 
-def key_records(st: Setup, k, v):
-    """The keys pass' partial records in (chunk, row group) order: (A, per-feature maxima)."""
+def first_slots(rowptr):
+    """Each segment's first chunk slot in the kernels' work list: all segments, longest first (stable)."""
+    sizes = torch.diff(rowptr)
+    order = torch.sort(sizes, stable=True, descending=True).indices
+    chunks = -(-sizes[order] // CHUNK)
+    first = torch.zeros_like(sizes)
+    first[order] = torch.cumsum(chunks, 0) - chunks
+    return first.tolist()
+
+
+def portions(n: int, first: int):
+    """Row ranges of a segment's portions: its chunks (slots first, first + 1, ...) split at run starts."""
+    bounds = [c0 for j, c0 in enumerate(range(0, n, CHUNK)) if j == 0 or (first + j) % RUN == 0] + [n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def portion_tiles(p0: int, p1: int):
+    """(tile start, tile end) of the 64-row tiles of the chunks in rows [p0, p1) (chunks of 256 rows)."""
+    return [(t0, min(t0 + TILE, c0 + CHUNK, p1)) for c0 in range(p0, p1, CHUNK)
+            for t0 in range(c0, min(c0 + CHUNK, p1), TILE)]
+
+
+def key_records(st: Setup, k, v, first):
+    """The keys pass' partial records in (portion, row group) order: (A, per-feature maxima)."""
     n, m = k.shape[0], st.m
     vt = torch.cat([v, torch.ones(n, 1)], 1)
     records = []
-    for c0 in range(0, n, CHUNK):
+    for p0, p1 in portions(n, first):
         for rg in range(st.rg):
             acc = torch.zeros(m + 1, st.dim + 1)
             mrun = torch.full((m,), -math.inf)
-            for t0 in range(c0, min(c0 + CHUNK, n), TILE):
+            for t0, t1 in portion_tiles(p0, p1):
                 for kk in range(rg, 4, st.rg):
-                    r0, r1 = t0 + WARP_ROWS * kk, min(t0 + WARP_ROWS * (kk + 1), c0 + CHUNK, n)
+                    r0, r1 = t0 + WARP_ROWS * kk, min(t0 + WARP_ROWS * (kk + 1), t1)
                     if r0 >= r1:
                         break
                     u, dg = st.u_and_diag(k[r0:r1])
@@ -116,9 +140,9 @@ def key_records(st: Setup, k, v):
     return records
 
 
-def key_state(st: Setup, k, v):
+def key_state(st: Setup, k, v, first):
     """The combine: W' (m x D+1, rounded), its column sums, M, sigma."""
-    records = key_records(st, k, v)
+    records = key_records(st, k, v, first)
     mseg = torch.stack([mr for _, mr in records]).max()
     w = torch.zeros(st.m, st.dim + 1)
     b = torch.zeros(st.dim + 1)
@@ -170,15 +194,15 @@ def warp_exponents(lam, n):
     return le
 
 
-def gradient_sums(st: Setup, a, hp, le, n):
-    """C of the query pass (records in chunk, row-group order), before the combine's scale sigma."""
+def gradient_sums(st: Setup, a, hp, le, n, first):
+    """C of the query pass (records in portion, row-group order), before the combine's scale sigma."""
     cmat = torch.zeros(st.m, st.dim + 1)
     none = -(2 ** 31)
-    for c0 in range(0, n, CHUNK):
+    for p0, p1 in portions(n, first):
         for rg in range(st.rg):
             acc, lrun = torch.zeros(st.m, st.dim + 1), none
-            for t0 in range(c0, min(c0 + CHUNK, n), TILE):
-                warps = [(t0 + WARP_ROWS * kk, min(t0 + WARP_ROWS * (kk + 1), c0 + CHUNK, n)) for kk in range(4)]
+            for t0, t1 in portion_tiles(p0, p1):
+                warps = [(t0 + WARP_ROWS * kk, min(t0 + WARP_ROWS * (kk + 1), t1)) for kk in range(4)]
                 warps = [(r0, r1) for r0, r1 in warps if r0 < r1]
                 lnew = max([lrun] + [int(le[r0]) for r0, _ in warps])
                 if lnew > lrun and st.mutant != MUTANTS[4]:
@@ -193,7 +217,7 @@ def gradient_sums(st: Setup, a, hp, le, n):
     return cmat
 
 
-def query_backward(st: Setup, q, g, wt, zs, sigma):
+def query_backward(st: Setup, q, g, wt, zs, sigma, first):
     """dq and C (m x D+1) from the query pass."""
     o, mrow, u, dg = query_forward(st, q, wt, zs)
     den = o[:, st.dim:]
@@ -206,7 +230,7 @@ def query_backward(st: Setup, q, g, wt, zs, sigma):
     le = warp_exponents(lam[:, 0], q.shape[0])
     inv_l = torch.where(le == -(2 ** 31), 0.0, torch.exp2(-le.clamp(min=-1000).float()))
     a = st.rnd((e + EPS) * lam * inv_l[:, None])
-    return dq, sigma * gradient_sums(st, a, hp, le, q.shape[0])
+    return dq, sigma * gradient_sums(st, a, hp, le, q.shape[0], first)
 
 
 def key_grads(st: Setup, k, v, cmat, mseg):
@@ -227,16 +251,16 @@ def flash_model(q, k, v, rowptr, projection, grad_o, mutant=None):
     dtype, f32 = q.dtype, torch.float32
     st = Setup(dtype, projection, mutant)
     outs = [torch.zeros(q.shape, dtype=f32) for _ in range(4)]
-    bounds = rowptr.tolist()
+    bounds, first = rowptr.tolist(), first_slots(rowptr)
     for s in range(len(bounds) - 1):
         rows = slice(bounds[s], bounds[s + 1])
         for h in range(q.shape[1]):
             qs, ks, vs, gs = (t[rows, h].to(f32) for t in (q, k, v, grad_o))
             if qs.shape[0] == 0:
                 continue
-            wt, zs, mseg, sigma = key_state(st, ks, vs)
+            wt, zs, mseg, sigma = key_state(st, ks, vs, first[s])
             o = query_forward(st, qs, wt, zs)[0]
-            dq, cmat = query_backward(st, qs, gs, wt, zs, sigma)
+            dq, cmat = query_backward(st, qs, gs, wt, zs, sigma, first[s])
             dk, dv = key_grads(st, ks, vs, cmat, mseg)
             for out, val in zip(outs, (o[:, :st.dim] * (1.0 / o[:, st.dim:]), dq, dk, dv)):
                 out[rows, h] = val

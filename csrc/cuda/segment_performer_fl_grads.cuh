@@ -118,15 +118,14 @@ __device__ __forceinline__ void gradient_sums(const FlDims& d, const FeatureRole
   }
 }
 
-// Combine of listed segment `index`, head h (its last chunk's CTA): C = the sum of the records in
-// chunk and row-group order, then C' = tau C, tau sum_f C_f and tau.
+// Combine of listed segment `index`, head h (the CTA that completes it): C = the sum of the records
+// in portion and row-group order (fp32, in the es buffers: fl_fit checks the room), then C' = tau C,
+// tau sum_f C_f and tau.
 template <typename T>
 __device__ __forceinline__ void combine_grads(const Geometry& g, const FlDims& d, const FlPass<T>& a,
                                               const FlSmem<T>& s, int index, int64_t h) {
-  const int64_t si = index * g.heads + h, rgs = 1 << d.rg_log;
-  const int64_t rec0 = first_slot(g, index) * g.heads * rgs + h * rgs, step = g.heads * rgs;
-  const int64_t rec_end = chunk_end(g, index) * g.heads * rgs;
-  float* w = a.wtmp + si * d.mp * d.dh;
+  const int64_t si = index * g.heads + h, rgs = 1 << d.rg_log, end = chunk_end(g, index);
+  float* w = reinterpret_cast<float*>(s.es);  // the gradient-sum operands' buffers, read before this
   float cmax = 0.f;
 #pragma unroll 1
   for (int f = fl_warp(); f < d.mp; f += FL_WARPS)
@@ -135,14 +134,16 @@ __device__ __forceinline__ void combine_grads(const Geometry& g, const FlDims& d
       float sum = 0.f;
       if (f < d.m && col <= d.dim)
 #pragma unroll 1
-        for (int64_t c = rec0; c < rec_end; c += step)
+        for (int64_t c = first_slot(g, index); c < end; c = next_portion(c))
 #pragma unroll 1
-          for (int64_t rec = c; rec < c + rgs; ++rec) sum += __ldcg(a.part + (rec * d.mp + f) * d.dh + col);
+          for (int64_t rec = (c * g.heads + h) * rgs; rec < (c * g.heads + h + 1) * rgs; ++rec)
+            sum += __ldcg(a.part + (rec * d.mp + f) * d.dh + col);
       w[f * d.dh + col] = sum;
       cmax = fmaxf(cmax, fabsf(sum));
     }
   const float tau = store_scaled(d, w, fl_block_max(cmax, s.red), a.cmat + si * d.mp * d.dh, a.cvec + si * d.dh);
   if (threadIdx.x == 0) a.cscale[si] = tau;
+  __syncthreads();  // w is read before the next tile's rows write their operands there
 }
 
 
@@ -213,7 +214,7 @@ __device__ __forceinline__ void query_run(const Geometry& g, const FlDims& d, co
   const int nbuf = fl_grad_buffers(sizeof(T));
   FeatureAcc<FT, DHT> acc;
   acc.zero();
-  int lrun = INT_MIN, tile_no = 0;
+  int lrun = INT_MIN, tile_no = 0, portion = -1;  // portion: the first chunk slot of the running record
   float sigma = 0.f;
   row_run<T, BACKWARD ? 2 : 1>(
       g, d, a, s, first, end, h,
@@ -238,14 +239,18 @@ __device__ __forceinline__ void query_run(const Geometry& g, const FlDims& d, co
           ++tile_no;
         }
       },
-      [&](const Cursor& c) {
+      [&](const Cursor& c) {  // a chunk's last tile: the record at the end of its portion
         if constexpr (BACKWARD) {
-          const int64_t rec = ((int64_t)c.slot * g.heads + h) * (1 << d.rg_log) + role.rg;
+          if (portion < 0) portion = c.slot;
+          if (!portion_ends(g, c)) return;
+          const int64_t rec = ((int64_t)portion * g.heads + h) * (1 << d.rg_log) + role.rg;
           acc.write(d, role, a.part + rec * d.mp * d.dh, lrun == INT_MIN ? 0.f : ldexpf(sigma, lrun));
           acc.zero();
           lrun = INT_MIN;
           const int64_t si = c.index * g.heads + h;
-          if (performer_tc::last_chunk(a.counters + si, chunk_end(g, c.index) - first_slot(g, c.index), s.flag))
+          const int n = c.slot - portion + 1;
+          portion = -1;
+          if (last_portion(a.counters + si, n, chunk_end(g, c.index) - first_slot(g, c.index), s.flag))
             combine_grads(g, d, a, s, c.index, h);
         }
       });

@@ -226,25 +226,23 @@ __device__ __forceinline__ float store_scaled(const FlDims& d, const float* w, f
   return sigma;
 }
 
-// Combine of listed segment `index`, head h (run by its last chunk's CTA): M = max of the records'
-// feature maxima, W = sum over chunks and row groups (in order) of exp2(M_f - M) A + eps B (B: A's
-// row m), then
-// the state: W' = sigma W in T, sigma sum_f W_f, M and sigma.
+// Combine of listed segment `index`, head h (run by the CTA that completes it): M = max of the
+// records' feature maxima, W = sum over portions and row groups (in order) of exp2(M_f - M) A +
+// eps B (B: A's row m; W in fp32 in the k / v' tile buffers, fl_fit checks the room), then the
+// state: W' = sigma W in T, sigma sum_f W_f, M and sigma.
 template <typename T>
 __device__ __forceinline__ void combine_keys(const Geometry& g, const FlDims& d, const FlPass<T>& a,
                                              const FlSmem<T>& s, int index, int64_t h) {
-  const int64_t si = index * g.heads + h, rgs = 1 << d.rg_log;
-  const int64_t rec0 = first_slot(g, index) * g.heads * rgs, step = g.heads * rgs;
-  const int64_t rec_end = chunk_end(g, index) * g.heads * rgs;
+  const int64_t si = index * g.heads + h, rgs = 1 << d.rg_log, end = chunk_end(g, index);
   float mseg = -INFINITY;
 #pragma unroll 1
-  for (int64_t c = rec0 + h * rgs; c < rec_end; c += step)
+  for (int64_t c = first_slot(g, index); c < end; c = next_portion(c))
 #pragma unroll 1
-    for (int64_t rec = c; rec < c + rgs; ++rec)
+    for (int64_t rec = (c * g.heads + h) * rgs; rec < (c * g.heads + h + 1) * rgs; ++rec)
 #pragma unroll 1
       for (int f = threadIdx.x; f < d.m; f += FL_THREADS) mseg = fmaxf(mseg, __ldcg(a.part_max + rec * d.mp + f));
   mseg = fl_block_max(mseg, s.red);
-  float* w = a.wtmp + si * d.mp * d.dh;
+  float* w = reinterpret_cast<float*>(s.xs);  // the tile operands' buffers, free until the next tile
   float wmax = 0.f;
 #pragma unroll 1
   for (int f = fl_warp(); f < d.mp; f += FL_WARPS)
@@ -253,9 +251,9 @@ __device__ __forceinline__ void combine_keys(const Geometry& g, const FlDims& d,
       float sum = 0.f, bs = 0.f;
       if (f < d.m && col <= d.dim)
 #pragma unroll 1
-        for (int64_t c = rec0 + h * rgs; c < rec_end; c += step)
+        for (int64_t c = first_slot(g, index); c < end; c = next_portion(c))
 #pragma unroll 1
-          for (int64_t rec = c; rec < c + rgs; ++rec) {
+          for (int64_t rec = (c * g.heads + h) * rgs; rec < (c * g.heads + h + 1) * rgs; ++rec) {
             const float fac = performer::rescale(__ldcg(a.part_max + rec * d.mp + f), mseg);
             sum = fmaf(__ldcg(a.part + (rec * d.mp + f) * d.dh + col), fac, sum);
             bs += __ldcg(a.part + (rec * d.mp + d.m) * d.dh + col);
@@ -269,6 +267,7 @@ __device__ __forceinline__ void combine_keys(const Geometry& g, const FlDims& d,
     a.seg_stab[si] = mseg;
     a.wscale[si] = sigma;
   }
+  __syncthreads();  // w is read before the buffers take the next tile
 }
 
 // Starts the cp.async copies of the k and v rows of the tile at c into one raw ring slot.
@@ -283,38 +282,41 @@ __device__ __forceinline__ void issue_key_rows(const Geometry& g, const FlDims& 
   cp_async_commit();
 }
 
-// The end of a chunk: its partial record, the ticket, and the combine by the segment's last chunk.
+// The end of a portion (chunks first..c of one segment in this run): its partial record in the
+// slot of its first chunk, the ticket, and the combine by the CTA that completes the segment.
 template <typename T, int FT, int DHT>
-__device__ __forceinline__ void keys_chunk_done(const Geometry& g, const FlDims& d, const FlPass<T>& a,
-                                                const FlSmem<T>& s, const FeatureRole& role,
-                                                const KeyState<T, FT, DHT>& st, const Cursor& c, int64_t h) {
-  write_key_partials(d, a, role, st, ((int64_t)c.slot * g.heads + h) * (1 << d.rg_log) + role.rg);
+__device__ __forceinline__ void keys_portion_done(const Geometry& g, const FlDims& d, const FlPass<T>& a,
+                                                  const FlSmem<T>& s, const FeatureRole& role,
+                                                  const KeyState<T, FT, DHT>& st, const Cursor& c, int first,
+                                                  int64_t h) {
+  write_key_partials(d, a, role, st, ((int64_t)first * g.heads + h) * (1 << d.rg_log) + role.rg);
   const int64_t si = c.index * g.heads + h;
-  if (performer_tc::last_chunk(a.counters + si, chunk_end(g, c.index) - first_slot(g, c.index), s.flag))
+  if (last_portion(a.counters + si, c.slot - first + 1, chunk_end(g, c.index) - first_slot(g, c.index), s.flag))
     combine_keys(g, d, a, s, c.index, h);
 }
 
-// One visit of a CTA: the row tiles of chunk slots [first, end) of head h, with FL_STAGES - 1
+// One visit of a CTA: the row tiles of chunk slots [first, end) of head h, with STAGES - 1
 // tiles in flight ahead of the one being computed (across the run's chunks).
 template <typename T, int FT, int DHT>
 __device__ __forceinline__ void keys_run(const Geometry& g, const FlDims& d, const FlPass<T>& a,
                                          const FlSmem<T>& s, int64_t first, int64_t end, int64_t h) {
+  constexpr int STAGES = fl_stages(sizeof(T));
   const FeatureRole role(d);
   const int slot_elems = 2 * FL_TILE_ROWS * d.raw_ld;
   Cursor pf = first_tile(g, first, end), cur = pf;
 #pragma unroll
-  for (int i = 0; i < FL_STAGES - 1; ++i) {
+  for (int i = 0; i < STAGES - 1; ++i) {
     issue_key_rows(g, d, a, h, pf, s.raw + i * slot_elems);
     advance(g, pf);
   }
   KeyState<T, FT, DHT> st;
   st.reset();
-  int stage = 0, buf = 0;
+  int stage = 0, buf = 0, portion = -1;  // portion: the first chunk slot of the running record
 #pragma unroll 1
   while (cur.live()) {
-    cp_async_wait<FL_STAGES - 2>();
+    cp_async_wait<STAGES - 2>();
     __syncthreads();  // this tile's rows are in the ring; the ring slot below was repacked a tile ago
-    issue_key_rows(g, d, a, h, pf, s.raw + (stage == 0 ? FL_STAGES - 1 : stage - 1) * slot_elems);
+    issue_key_rows(g, d, a, h, pf, s.raw + (stage == 0 ? STAGES - 1 : stage - 1) * slot_elems);
     advance(g, pf);
     const int nrows = tile_rows(cur, 0, FL_TILE_ROWS);
     T* xs = s.xs + buf * FL_TILE_ROWS * d.ld_x;
@@ -323,12 +325,14 @@ __device__ __forceinline__ void keys_run(const Geometry& g, const FlDims& d, con
     repack_keys(g, d, a, h, cur.row0(), nrows, s.raw + stage * slot_elems, xs, hs, diag);
     __syncthreads();  // the tile's operands are complete
     keys_tile<T, FT, DHT>(g, d, role, s.ps, xs, hs, diag, nrows, st);
-    if (cur.last_tile()) {
-      keys_chunk_done(g, d, a, s, role, st, cur, h);
+    if (portion < 0) portion = cur.slot;
+    if (cur.last_tile() && portion_ends(g, cur)) {
+      keys_portion_done(g, d, a, s, role, st, cur, portion, h);
       st.reset();
+      portion = -1;
     }
     advance(g, cur);
-    stage = stage == FL_STAGES - 1 ? 0 : stage + 1;
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
     buf ^= 1;
   }
   cp_async_wait<0>();

@@ -80,7 +80,6 @@ FlPass<T> fl_pass(const PerformerProblem& p, float* scratch, float* state, bool 
   a.elems = p.rows * p.heads * p.dim;
   a.part = scratch + s.part;
   a.part_max = scratch + s.part_max;
-  a.wtmp = scratch + s.wtmp;
   a.counters = reinterpret_cast<unsigned*>(scratch + s.counters);
   a.cmat = reinterpret_cast<T*>(scratch + s.cmat);
   a.cvec = scratch + s.cvec;

@@ -19,7 +19,9 @@ constexpr int FL_THREADS = 32 * FL_WARPS;
 constexpr int FL_WARP_ROWS = 16;                         // rows a warp owns in a row tile (one m16 fragment)
 constexpr int FL_TILE_ROWS = FL_WARPS * FL_WARP_ROWS;    // rows of a CTA's row tile
 constexpr int FL_FRAG = 16;
-constexpr int FL_STAGES = 3;                             // cp.async stages of every row pipeline
+// cp.async stages of the row pipelines: 3 (two tiles in flight) for 16-bit rows, 2 for fp32 rows,
+// whose ring would leave the query backward one CTA per SM at tolokers' shape.
+__host__ __device__ constexpr int fl_stages(size_t elem) { return elem == 4 ? 2 : 3; }
 constexpr int FL_RUN = 4;                                // consecutive chunk slots a CTA takes per visit
 constexpr int FL_FWD_BLOCK = 4;                          // feature tiles per block: online query max, o'
 constexpr int FL_BWD_BLOCK = 1;                          // feature tiles per block: dp, t, dq (registers)
@@ -32,6 +34,7 @@ constexpr int FL_ALIGN = 128;
 __host__ __device__ constexpr int fl_max_dht(size_t elem) { return elem == 4 ? 2 : 3; }
 constexpr int FL_MAX_FT = 2;                             // feature tiles per warp: m + 1 <= FL_WARPS * 2 * 16
 static_assert(PERFORMER_CHUNK_ROWS % FL_TILE_ROWS == 0, "chunks are whole row tiles");
+static_assert((FL_RUN & (FL_RUN - 1)) == 0, "run starts (portion records) are found with a mask");
 static_assert(FL_WARPS == 4, "a warp's feature group and row group are two bits of its index");
 
 enum FlKernel : int { FL_KEYS = 0, FL_QUERIES_FWD = 1, FL_QUERIES_BWD = 2, FL_KEY_GRAD = 3 };
@@ -109,7 +112,7 @@ __host__ __device__ inline FlLayout fl_layout(const FlDims& d, int kernel, size_
   FlLayout l;
   size_t off = 0;
   const bool keys = kernel == FL_KEYS, qbwd = kernel == FL_QUERIES_BWD;
-  const size_t raw = elem * FL_STAGES * fl_row_tensors(kernel) * FL_TILE_ROWS * d.raw_ld;
+  const size_t raw = elem * fl_stages(elem) * fl_row_tensors(kernel) * FL_TILE_ROWS * d.raw_ld;
   l.ps = fl_take(off, elem * d.mp * d.ld_x);
   l.ws = fl_take(off, keys ? 0 : elem * d.mp * d.ld_h);                    // W' or C'
   l.zs = fl_take(off, keys ? 0 : sizeof(float) * d.dh);                    // its column sums
@@ -140,7 +143,7 @@ inline size_t fl_smem_bytes(const FlDims& d, size_t elem) {
 // query and key-gradient passes (kept between the forward and the backward by the fused layer).
 // Matrices are stored padded (mp x dh); T matrices occupy float slots.
 struct FlScratch {
-  size_t part, part_max, wtmp, counters, cmat, cvec, cscale, total;
+  size_t part, part_max, counters, cmat, cvec, cscale, total;
 };
 struct FlState {
   size_t wmat, wvec, seg_stab, wscale, total;
@@ -173,7 +176,6 @@ inline FlScratch fl_scratch_layout(const PerformerProblem& p, size_t elem, bool 
   size_t off = 0;
   s.part = off;      off += fl_up(records * mat);             // A (B in row m), then C, per (chunk, head, row group)
   s.part_max = off;  off += fl_up(records * d.mp);            // per-feature maxima of A
-  s.wtmp = off;      off += fl_up(seg_heads * mat);           // the combines' fp32 W or C
   s.counters = off;  off += fl_up(2 * seg_heads);             // W, then C chunk tickets
   s.cmat = s.cvec = s.cscale = off;
   if (backward) {
@@ -185,13 +187,22 @@ inline FlScratch fl_scratch_layout(const PerformerProblem& p, size_t elem, bool 
   return s;
 }
 
+// The combines keep the segment's fp32 sums (mp x dh) in shared memory: the keys pass in its k and
+// v' tile buffers, the query backward in its gradient-sum operand buffers.
+inline bool fl_combine_fits(const FlDims& d, size_t elem) {
+  const size_t w = sizeof(float) * d.mp * d.dh;
+  const FlLayout k = fl_layout(d, FL_KEYS, elem), q = fl_layout(d, FL_QUERIES_BWD, elem);
+  return w <= k.diag - k.xs && w <= q.le - q.es;
+}
+
 // The flash kernels run p's shape: D + 1 <= 48 (bf16 / fp16) or 32 (fp32), m + 1 <= 128 (feature
 // tiles per warp), every
 // kernel's shared memory within p.smem_optin.
 inline bool fl_fit(const PerformerProblem& p, size_t elem) {
   if (p.dim < 1 || p.features < 1) return false;
   const FlDims d = fl_dims(p.dim, p.features, elem);
-  return d.dht <= fl_max_dht(elem) && fl_feature_tiles(d) > 0 && fl_smem_bytes(d, elem) <= p.smem_optin;
+  return d.dht <= fl_max_dht(elem) && fl_feature_tiles(d) > 0 && fl_smem_bytes(d, elem) <= p.smem_optin &&
+         fl_combine_fits(d, elem);
 }
 
 }  // namespace performer_fl

@@ -7,7 +7,7 @@
 // (run r: slots r * FL_RUN ..), strided by the grid: consecutive chunks of one
 // segment stay in one CTA, which stages W' / C' once for them.
 // Rows: 16-byte cp.async vectors covering each row wherever it starts (any D),
-// 2 threads per row, into a raw ring of FL_STAGES tiles; fragments are read
+// 2 threads per row, into a raw ring of fl_stages tiles; fragments are read
 // from the raw rows with the row's element offset (no repack, except in the
 // keys pass, whose k / v' tiles every warp reads).
 #pragma once
@@ -36,7 +36,6 @@ struct FlPass {
   T* out_y = nullptr;            // dv
   float* part = nullptr;         // (slot, head, row group) mp x dh partial sums: A (B in row m), then C
   float* part_max = nullptr;     // (slot, head, row group) mp per-feature maxima of A
-  float* wtmp = nullptr;         // (segment, head) mp x dh: the combines' fp32 W or C
   T* wmat = nullptr;             // (segment, head) mp x dh: W' = sigma W (state)
   float* wvec = nullptr;         // (segment, head) dh: sigma sum_f W_f (state)
   float* seg_stab = nullptr;     // (segment, head) key stabiliser M (state)
@@ -147,6 +146,34 @@ __device__ __forceinline__ int tile_rows(const Cursor& c, int first, int span) {
 
 // Chunk slots of listed segment `index` ([first, end), end clipped to the scratch capacity).
 __device__ __forceinline__ int64_t first_slot(const Geometry& g, int index) { return g.chunk_offsets[index]; }
+
+// ---- portions: a segment's consecutive chunks inside one run ----
+//
+// A CTA sums the chunks of one segment it takes in a run into one partial record, kept in the
+// slot of the portion's first chunk: the segment's first slot, then every run start inside the
+// segment (slots r * FL_RUN).  The combine walks exactly those slots (next_portion), so no slot
+// needs a mark.
+
+// The portion ends with chunk c: the run ends or the segment's next chunk belongs to the next run.
+__device__ __forceinline__ bool portion_ends(const Geometry& g, const Cursor& c) {
+  return c.slot + 1 >= c.run_end || c.slot + 1 >= chunk_end(g, c.index);
+}
+
+// The slot of the next portion's record after the one at `slot`: the next run start.
+__device__ __forceinline__ int64_t next_portion(int64_t slot) { return (slot & ~(int64_t)(FL_RUN - 1)) + FL_RUN; }
+
+// Counts a portion of `n` chunks in `counter` (called by every thread after the record is
+// written): whether it completed its segment and head, whose combine this CTA then runs.
+// Integer atomic only; as performer_tc::last_chunk, for portions.
+__device__ __forceinline__ bool last_portion(unsigned* counter, int n, int64_t nchunks, int* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, (unsigned)n) + (unsigned)n == (unsigned)nchunks;
+  __syncthreads();
+  const bool last = *flag != 0;
+  if (last) __threadfence();
+  return last;
+}
 
 // ---- row staging ----
 

@@ -16,16 +16,17 @@ namespace cuda {
 namespace performer_fl {
 
 // The per-warp row pipeline of a run (chunk slots [first, end) of head h): NT row tensors (x, and
-// y unless NT == 1) staged FL_STAGES - 1 tiles ahead; at each new segment begin(index) between two
+// y unless NT == 1) staged fl_stages(sizeof(T)) - 1 tiles ahead; at each new segment begin(index) between two
 // barriers (the segment's matrix goes to shared memory), then per tile body(raw, nrows, row0) on
 // the warp's 16 rows and done(cursor) after a chunk's last tile.
 template <typename T, int NT, typename Begin, typename Body, typename Done>
 __device__ __forceinline__ void row_run(const Geometry& g, const FlDims& d, const FlPass<T>& a, const FlSmem<T>& s,
                                         int64_t first, int64_t end, int64_t h, Begin&& begin, Body&& body,
                                         Done&& done) {
+  constexpr int STAGES = fl_stages(sizeof(T));
   const int w = fl_warp(), lane = fl_lane();
   const int slot_elems = NT * FL_WARP_ROWS * d.raw_ld;
-  T* ring = s.raw + w * FL_STAGES * slot_elems;
+  T* ring = s.raw + w * STAGES * slot_elems;
   const auto issue = [&](const Cursor& c, T* raw) {
     const int nrows = tile_rows(c, FL_WARP_ROWS * w, FL_WARP_ROWS);
     const int64_t row0 = c.row0() + FL_WARP_ROWS * w;
@@ -36,7 +37,7 @@ __device__ __forceinline__ void row_run(const Geometry& g, const FlDims& d, cons
   };
   Cursor pf = first_tile(g, first, end), cur = pf;
 #pragma unroll
-  for (int i = 0; i < FL_STAGES - 1; ++i) {
+  for (int i = 0; i < STAGES - 1; ++i) {
     issue(pf, ring + i * slot_elems);
     advance(g, pf);
   }
@@ -49,14 +50,14 @@ __device__ __forceinline__ void row_run(const Geometry& g, const FlDims& d, cons
       __syncthreads();
       staged = cur.index;
     }
-    cp_async_wait<FL_STAGES - 2>();
+    cp_async_wait<STAGES - 2>();
     __syncwarp();  // the warp's rows of this tile are in; its reads of the slot refilled below are done
-    issue(pf, ring + (stage == 0 ? FL_STAGES - 1 : stage - 1) * slot_elems);
+    issue(pf, ring + (stage == 0 ? STAGES - 1 : stage - 1) * slot_elems);
     advance(g, pf);
     body(ring + stage * slot_elems, tile_rows(cur, FL_WARP_ROWS * w, FL_WARP_ROWS), cur.row0() + FL_WARP_ROWS * w);
     if (cur.last_tile()) done(cur);
     advance(g, cur);
-    stage = stage == FL_STAGES - 1 ? 0 : stage + 1;
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
   }
   cp_async_wait<0>();
 }
