@@ -165,18 +165,18 @@ def flash_main(args, sizes: list[int]) -> None:
     d = fm.Dims(args.dim, args.features, 2 if args.dtype == "bfloat16" else 4)
     rep = fm.kernel_report(sizes, args.heads, d, args.dtype, ROOF)
     print(f"{args.graph}: {len(sizes)} Performer segments, {sum(sizes)} rows, "
-          f"{sum(-(-n // CHUNK) for n in sizes)} chunks; H={args.heads} D={args.dim} m={args.features} {args.dtype}; "
-          f"flash kernels (DP={d.dp}, D+1 -> {d.dh}, m+1 -> {d.mp}, row groups {d.rg})")
+          f"{sum(-(-n // CHUNK) for n in sizes)} chunks; H={args.heads} D={args.dim} m={args.features} "
+          f"{args.dtype}; flash kernels (DP={d.dp}, D+1 -> {d.dh}, m+1 -> {d.mp}, row groups {d.rg})")
     print(f"{'kernel':<12} {'GFLOP':>6} {'exp2 M':>6} {'DRAM MB':>7} {'smem GB':>7} | {'TC':>6} {'DRAM':>6} "
           f"{'smem':>6} {'exp2':>6} {'issue':>6} {'Little':>6} ms | {'regs':>4} {'smem KB':>7} {'CTAs':>4} "
           f"{'warps':>5} {'flight KB':>9} {'slots/tile':>10} {'barriers':>8}")
     total = dict(throughput=0.0, latency=0.0)
     for name, r in rep.items():
         t, res = r["times"], r["res"]
-        print(f"{name:<12} {r['flop'] / 1e9:6.1f} {r['exp2'] / 1e6:6.1f} {r['dram'] / 1e6:7.0f} {r['smem'] / 1e9:7.2f} | "
-              + " ".join(f"{1e3 * t[k]:6.3f}" for k in ("tc", "dram", "smem", "exp2", "issue", "little"))
-              + f"    | {res['regs']:4d} {res['smem'] / 1024:7.1f} {res['ctas']:4d} {res['warps']:5d} "
-              f"{r['flight'] / 1024:9.1f} {r['issue']:10d} {r['barriers']:8d}")
+        times = " ".join(f"{1e3 * t[k]:6.3f}" for k in ("tc", "dram", "smem", "exp2", "issue", "little"))
+        print(f"{name:<12} {r['flop'] / 1e9:6.1f} {r['exp2'] / 1e6:6.1f} {r['dram'] / 1e6:7.0f} "
+              f"{r['smem'] / 1e9:7.2f} | {times}    | {res['regs']:4d} {res['smem'] / 1024:7.1f} "
+              f"{res['ctas']:4d} {res['warps']:5d} {r['flight'] / 1024:9.1f} {r['issue']:10d} {r['barriers']:8d}")
         for k in total:
             total[k] += r[k] * fm.LAYER_CALLS[name]
     calls = ", ".join(f"{n} x{c}" for n, c in fm.LAYER_CALLS.items())
