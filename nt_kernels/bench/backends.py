@@ -227,10 +227,21 @@ def gemm_mode(ctx: Context) -> str:
 
 
 def _prepare_gemm(ctx: Context) -> Callable:
+    """The yardstick on this graph; a grouped plan is tried once here (zeros, forward and backward) and
+    replaced by the bmm plan if this torch build refuses its shapes (strides, offsets) on the device."""
     from nt_kernels.bench.performer_gemm import GemmPlan, performer_gemm
 
-    plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode=gemm_mode(ctx))
-    projection = ctx.projection
+    projection, mode = ctx.projection, gemm_mode(ctx)
+    plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode=mode)
+    if mode == "grouped":
+        shape = (ctx.num_edges, ctx.heads, ctx.head_dim)
+        q = torch.zeros(shape, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
+        try:
+            performer_gemm(q, q, q, plan, projection).sum().backward()
+        except RuntimeError as exc:
+            print(f"performer-gemm: grouped GEMMs refused ({str(exc).splitlines()[0][:160]}); bmm instead",
+                  file=sys.stderr)
+            plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode="bmm")
     return lambda q, k, v: performer_gemm(q, k, v, plan, projection)
 
 
