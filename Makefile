@@ -80,8 +80,9 @@ gpu-dry-run: $(STAMP)
 
 # Compile every csrc/cuda/*.cu for sm_80, sm_89 and sm_90 (no GPU needed) and
 # syntax-check the torch bindings; fails on a compile error, a register spill,
-# or a tensor-core Performer kernel without tensor-core instructions or with an
-# integer divide (per-kernel table: scripts/cuda_check.sh).
+# a tensor-core or flash Performer kernel without tensor-core instructions or
+# with an integer divide, or a flash kernel under 8 resident warps per SM on
+# sm_90 (per-kernel table: scripts/cuda_check.sh).
 cuda-check:
 	bash scripts/cuda_check.sh
 

@@ -4,16 +4,20 @@
 # 1. every csrc/cuda/*.cu is compiled with nvcc for sm_80, sm_89 and sm_90; a
 #    compile error fails;
 # 2. one table per kernel and arch: registers, stack frame and spill bytes
-#    (ptxas -v), and from the SASS (cuobjdump --dump-sass) the tensor-core
-#    instructions (HMMA, HGMMA; static count) and the integer-divide sequences
-#    (I2F.*.RP, see sass_rows).  The check fails when any kernel spills, and for
-#    the tensor-core Performer kernels (nt_kernels::cuda::performer_tc::*,
-#    bfloat16 / float16, and float32 as 3xTF32) when one has no tensor-core
-#    instruction or any integer-divide sequence, or when one of the eight
-#    expected per dtype and arch is missing (keys and query-backward kernels in
-#    three accumulator variants, query forward, key gradients).  The SIMT
-#    Performer kernels are listed (0 tensor-core instructions; their divides are
-#    not gated);
+#    (ptxas -v), the warps per SM those registers leave resident (CTAs of 128
+#    threads for the flash kernels, 256 for the others; shared memory, which
+#    depends on the shape, not counted: docs/kernels-performer-cuda.md), and from
+#    the SASS (cuobjdump --dump-sass) the tensor-core instructions (HMMA, HGMMA;
+#    static count) and the integer-divide sequences (I2F.*.RP, see sass_rows).
+#    The check fails when any kernel spills; for the tensor-core Performer
+#    kernels (nt_kernels::cuda::performer_tc::*, bfloat16 / float16, and float32
+#    as 3xTF32) and the FlashAttention-2-style ones (performer_fl::*, issue 39)
+#    when one has no tensor-core instruction or any integer-divide sequence, or
+#    when one of the expected kernels per arch is missing (tensor cores: 8 per
+#    dtype; flash: 12 per 16-bit dtype, 6 for float32); and for the flash
+#    kernels when their registers leave fewer than 8 resident warps per SM on
+#    sm_90.  The SIMT Performer kernels are listed (0 tensor-core
+#    instructions; their divides are not gated);
 # 3. every csrc/cuda/*_binding.cpp is syntax-checked with the host compiler
 #    against torch's headers (when torch is importable) and the CUDA headers.
 #
@@ -30,6 +34,8 @@ ARCH_NAMES=(sm_80 sm_89 sm_90)  # A100, L4 / L40 / RTX 40xx, H100 / H200
 ARCHS=()
 for a in "${ARCH_NAMES[@]}"; do ARCHS+=(-gencode "arch=compute_${a#sm_},code=$a"); done
 TC_KERNELS_PER_ARCH=24  # 8 tensor-core kernels x (__half, __nv_bfloat16, float)
+FL_KERNELS_PER_ARCH=30  # flash: 12 x (__half, __nv_bfloat16) + 6 x float
+FL_MIN_WARPS=8          # resident warps per SM the flash kernels' registers must allow on sm_90
 work=$(mktemp -d /tmp/nt-cuda-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
@@ -116,30 +122,51 @@ done
 # kernels (nt_kernels::cuda::performer_tc::*, bfloat16 / float16, and float32 as
 # 3xTF32) on a kernel without HMMA/HGMMA, on any integer divide sequence, or when
 # one of the expected kernels per arch is missing.
-echo "== per kernel: ptxas registers / stack / spill bytes; SASS tensor-core instructions (HMMA+HGMMA) and integer divide sequences (I2F.*.RP)"
-printf "%-6s %5s %6s %8s %8s %5s %5s  %s\n" arch regs stack spill-st spill-ld hmma idiv kernel
+echo "== per kernel: ptxas registers / stack / spill bytes; resident warps per SM by registers; SASS tensor-core instructions (HMMA+HGMMA) and integer divide sequences (I2F.*.RP)"
+printf "%-6s %5s %6s %8s %8s %5s %5s %5s  %s\n" arch regs stack spill-st spill-ld warps hmma idiv kernel
 table="$work/table.txt"
 awk 'NR == FNR { sass[$1 " " $4] = $2 " " $3; next }
      { key = $1 " " $6; s = (key in sass) ? sass[key] : "- -"; print $1, $2, $3, $4, $5, s, $6 }' \
     "$sass_all" "$ptxas_all" | sort -s -k1,1 >"$table"
+# Resident warps per SM by registers: 64K registers per SM, allocated per warp in units of 256
+# (8 per thread); at most 64 warps (48 on sm_89) and 32 CTAs per SM.
+resident_warps() {  # arch regs threads
+  local per_warp=$(( ( ($2 + 7) / 8 ) * 8 * 32 )) max=64 ctas
+  [ "$1" = sm_89 ] && max=48
+  ctas=$(( 65536 / (per_warp * ($3 / 32)) ))
+  [ $ctas -gt 32 ] && ctas=32
+  local warps=$(( ctas * $3 / 32 ))
+  echo $(( warps > max ? max - max % ($3 / 32) : warps ))
+}
 while read -r arch regs stack st ld hmma idiv name; do
-  printf "%-6s %5s %6s %8s %8s %5s %5s  %s\n" "$arch" "$regs" "$stack" "$st" "$ld" "$hmma" "$idiv" \
-         "$(echo "$name" | $demangle | strip_params)"
+  pretty=$(echo "$name" | $demangle | strip_params)
+  threads=256
+  [[ "$pretty" == *performer_fl::* ]] && threads=128
+  printf "%-6s %5s %6s %8s %8s %5s %5s %5s  %s\n" "$arch" "$regs" "$stack" "$st" "$ld" \
+         "$(resident_warps "$arch" "$regs" "$threads")" "$hmma" "$idiv" "$pretty"
 done <"$table" | tee "$work/table.demangled"
-if ! awk -v want="$TC_KERNELS_PER_ARCH" '
-    { arch = $1; st = $4; hmma = $6; idiv = $7; name = $0; sub(/^([^ ]+ +){7}/, "", name) }
+if ! awk -v want="$TC_KERNELS_PER_ARCH" -v want_fl="$FL_KERNELS_PER_ARCH" -v min_warps="$FL_MIN_WARPS" '
+    { arch = $1; st = $4; warps = $6; hmma = $7; idiv = $8; name = $0; sub(/^([^ ]+ +){8}/, "", name) }
     st + 0 > 0 { print "cuda-check: local-memory spills in " name " (" arch ")" > "/dev/stderr"; bad = 1 }
-    name ~ /performer_tc::tc_[a-z_]+_kernel<(__half|__nv_bfloat16|float)[,>]/ {
-      seen[arch]++
+    name ~ /performer_(tc::tc|fl::fl)_[a-z_]+_kernel<(__half|__nv_bfloat16|float)[,>]/ {
+      if (name ~ /performer_fl::/) seen_fl[arch]++; else seen[arch]++
       if (hmma + 0 == 0) { print "cuda-check: no tensor-core instruction in " name " (" arch ")" > "/dev/stderr"; bad = 1 }
       if (idiv + 0 > 0) { print "cuda-check: " idiv " integer divide sequence(s) in " name " (" arch ")" > "/dev/stderr"; bad = 1 }
     }
+    name ~ /performer_fl::fl_/ && arch == "sm_90" && warps + 0 < min_warps {
+      print "cuda-check: " warps " resident warps per SM in " name " (" arch "), want >= " min_warps > "/dev/stderr"; bad = 1
+    }
     { archs[arch] = 1 }
     END {
-      for (a in archs) if (seen[a] + 0 != want) {
-        printf "cuda-check: %d tensor-core Performer kernels for %s, expected %d\n",
-               seen[a], a, want > "/dev/stderr"
-        bad = 1
+      for (a in archs) {
+        if (seen[a] + 0 != want) {
+          printf "cuda-check: %d tensor-core Performer kernels for %s, expected %d\n", seen[a], a, want > "/dev/stderr"
+          bad = 1
+        }
+        if (seen_fl[a] + 0 != want_fl) {
+          printf "cuda-check: %d flash Performer kernels for %s, expected %d\n", seen_fl[a], a, want_fl > "/dev/stderr"
+          bad = 1
+        }
       }
       exit bad
     }' "$work/table.demangled"; then

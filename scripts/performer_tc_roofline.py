@@ -1,6 +1,14 @@
-"""Arithmetic roofline of the tensor-core Performer kernels on one layer of a real graph.
+"""Arithmetic roofline and latency model of the CUDA Performer kernels on one layer of a real graph.
 
-Counts, per kernel (csrc/cuda/segment_performer_tc_*.cuh, the code as written:
+``--kernels flash`` (the default): the FlashAttention-2-style kernels of issue 39
+(csrc/cuda/segment_performer_fl_*.cuh; the model is scripts/performer_flash_model.py): per kernel
+the throughput bounds (tensor cores, DRAM, shared memory, exp2) and the latency bounds (issue
+slots per tile, Little's law on the bytes the cp.async stages keep in flight per SM), the
+resident warps, barriers per tile, and the tolokers layer's forward + backward as the fused
+layer calls them (keys twice, queries twice, queries backward and key gradients once).
+
+``--kernels tc``: the tensor-core kernels of issue 27.  Counts, per kernel
+(csrc/cuda/segment_performer_tc_*.cuh, the code as written:
 32-row tiles inside 256-row chunks, padded fragment sizes), the tensor-core
 FLOPs (padded and useful), the exp2 calls, the device-memory bytes and the
 shared-memory bytes of the Performer segments (n > n*) of one layer, forward
@@ -113,9 +121,13 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=30)
     ap.add_argument("--features", type=int, default=102)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--kernels", choices=["flash", "tc"], default="flash")
     args = ap.parse_args()
     elem = 2 if args.dtype == "bfloat16" else 4
     sizes = performer_segments(args.graph, args.data_root, args.dim, args.features)
+    if args.kernels == "flash":
+        flash_main(args, sizes)
+        return
     tiles = tile_rows(sizes)
     print(f"{args.graph}: {len(sizes)} Performer segments, {sum(sizes)} rows, "
           f"{sum(-(-n // CHUNK) for n in sizes)} chunks, {len(tiles)} row tiles per head; "
@@ -144,6 +156,33 @@ def main() -> None:
     print(f"{'fwd + bwd':<12} {totals['tc'] / 1e9:9.1f} {totals['useful'] / 1e9:7.1f} {totals['exp2'] / 1e6:7.1f} "
           f"{totals['dram'] / 1e6:8.0f} {totals['smem'] / 1e9:8.2f} {'':>31} {1e3 * totals['t']:8.3f}")
     print("fwd + bwd = 2 x keys + queries fwd + queries bwd + key grad (forward: keys, queries fwd)")
+
+
+def flash_main(args, sizes: list[int]) -> None:
+    """The flash kernels' table (scripts/performer_flash_model.py)."""
+    import performer_flash_model as fm
+
+    d = fm.Dims(args.dim, args.features, 2 if args.dtype == "bfloat16" else 4)
+    rep = fm.kernel_report(sizes, args.heads, d, args.dtype, ROOF)
+    print(f"{args.graph}: {len(sizes)} Performer segments, {sum(sizes)} rows, "
+          f"{sum(-(-n // CHUNK) for n in sizes)} chunks; H={args.heads} D={args.dim} m={args.features} "
+          f"{args.dtype}; flash kernels (DP={d.dp}, D+1 -> {d.dh}, m+1 -> {d.mp}, row groups {d.rg})")
+    print(f"{'kernel':<12} {'GFLOP':>6} {'exp2 M':>6} {'DRAM MB':>7} {'smem GB':>7} | {'TC':>6} {'DRAM':>6} "
+          f"{'smem':>6} {'exp2':>6} {'issue':>6} {'Little':>6} ms | {'regs':>4} {'smem KB':>7} {'CTAs':>4} "
+          f"{'warps':>5} {'flight KB':>9} {'slots/tile':>10} {'barriers':>8}")
+    total = dict(throughput=0.0, latency=0.0)
+    for name, r in rep.items():
+        t, res = r["times"], r["res"]
+        times = " ".join(f"{1e3 * t[k]:6.3f}" for k in ("tc", "dram", "smem", "exp2", "issue", "little"))
+        print(f"{name:<12} {r['flop'] / 1e9:6.1f} {r['exp2'] / 1e6:6.1f} {r['dram'] / 1e6:7.0f} "
+              f"{r['smem'] / 1e9:7.2f} | {times}    | {res['regs']:4d} {res['smem'] / 1024:7.1f} "
+              f"{res['ctas']:4d} {res['warps']:5d} {r['flight'] / 1024:9.1f} {r['issue']:10d} {r['barriers']:8d}")
+        for k in total:
+            total[k] += r[k] * fm.LAYER_CALLS[name]
+    calls = ", ".join(f"{n} x{c}" for n, c in fm.LAYER_CALLS.items())
+    print(f"layer fwd + bwd ({calls}): throughput bound {1e3 * total['throughput']:.3f} ms, "
+          f"latency bound {1e3 * total['latency']:.3f} ms, estimate (the larger per kernel) "
+          f"{1e3 * sum(max(r['throughput'], r['latency']) * fm.LAYER_CALLS[n] for n, r in rep.items()):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ RESULT = {
     "required": ["backend", "family", "alpha", "status"],
     "properties": {
         "backend": STR,
-        "family": {"enum": ["fused", "performer-simt", "reference", "parallel", "by-size", "partitioned", "sequential", "pyg-pairs",
+        "family": {"enum": ["fused", "performer-simt", "performer-tc", "performer-flash", "performer-gemm", "reference", "parallel", "by-size", "partitioned", "sequential", "pyg-pairs",
                             "nested", "flex", "performer-pytorch"]},
         "alpha": OPT_NUMBER,
         "status": STR,

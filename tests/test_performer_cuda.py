@@ -3,11 +3,14 @@
 Calls the composite ops directly with every segment on the Performer path:
 ``attention_fwd(q, k, v, rowptr, exact=empty, performer=all, None, P, scale, eps)`` and
 ``attention_bwd``.  On CUDA both implementations run, chosen per test with
-NT_KERNELS_PERFORMER: ``simt`` (fp32 arithmetic, every dtype) and ``tc``
+NT_KERNELS_PERFORMER: ``simt`` (fp32 arithmetic, every dtype), ``tc``
 (tensor-core kernels where the shape fits them: bfloat16 / float16 operands,
-float32 as 3xTF32 products; the SIMT kernels otherwise).  Unset, every dtype
-runs the SIMT kernels (the tensor-core ones are opt-in until a GPU has passed
-them: test_cuda_performer_defaults pins that on CPU).
+float32 as 3xTF32 products; the SIMT kernels otherwise) and ``flash`` (the
+FlashAttention-2-style kernels of issue 39 where the shape fits them: D + 1 <= 48,
+or 32 in float32, and m + 1 <= 128; SIMT otherwise; their CPU model and the
+fused layer's kept state: tests/test_performer_flash.py).  Unset, every dtype
+runs the SIMT kernels (the tensor-core and flash ones are opt-in until a GPU has
+passed them: test_cuda_performer_defaults pins that on CPU).
 
 Accuracy rule: the project's (nt_kernels/apps/tolerance.py through tests/helpers.py,
 docs/design.md §4): the kernel's max error against the float64 reference is at most
@@ -60,14 +63,27 @@ SIZES = [0, 1, 2, 7, 37, 255, 256, 257, 0, 513, 1500, HUB, 3]
 CPU_SIZES = [0, 1, 2, 7, 37, 255, 257, 0, 513, 3]
 SMALL_SIZES = [0, 1, 5, 40, 300]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# (impl, dtype) pairs: "tc" runs float32 as 3xTF32 on the tensor cores.
+# (impl, dtype) pairs: "tc" and "flash" run float32 as 3xTF32 on the tensor cores.
 IMPL_DTYPES = [("simt", "float32"), ("simt", "bfloat16"), ("simt", "float16"),
-               ("tc", "float32"), ("tc", "bfloat16"), ("tc", "float16")]
+               ("tc", "float32"), ("tc", "bfloat16"), ("tc", "float16"),
+               ("flash", "float32"), ("flash", "bfloat16"), ("flash", "float16")]
 # (D, m): every head dim of the issue, default and explicit feature counts up to 300.
 # The tensor-core kernels take (ceil16(m) / 16) * (ceil16(D + 1) / 16) <= 64
 # (csrc/cuda/segment_performer_tc_layout.cuh); (64, 266) is past that and runs SIMT under "tc".
 DIM_FEATURES = [(1, 1), (8, 16), (9, 19), (23, 72), (30, 102), (30, 300), (53, 210), (64, 192),
                 (64, 266), (128, 112), (256, 48)]
+
+
+def flash_fits(dtype, dim, m):
+    """Whether the flash kernels run (D, m) in dtype (csrc/cuda/segment_performer_fl_layout.cuh): D + 1 <= 48,
+    32 in float32 (3xTF32), and m + 1 <= 128; elsewhere NT_KERNELS_PERFORMER=flash runs SIMT."""
+    return dim + 1 <= (32 if dtype == "float32" else 48) and m + 1 <= 128
+
+
+# Every (impl, dtype, D, m) of the accuracy test: "flash" only where it runs (elsewhere it is SIMT again),
+# plus the bench's D = 32, m = 110 and the largest 16-bit shape it takes.
+ACCURACY_CASES = ([(i, t, d, m) for i, t in IMPL_DTYPES for d, m in DIM_FEATURES if i != "flash" or flash_fits(t, d, m)]
+                  + [("flash", t, d, m) for t in ("bfloat16", "float16") for d, m in ((32, 110), (47, 127))])
 
 
 def make_case(sizes, dim, heads=HEADS, seed=0, m=None, device="cuda"):
@@ -340,21 +356,23 @@ DEFAULT_KERNELS = {"float32": "simt", "bfloat16": "simt", "float16": "simt"}
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_cuda_performer_defaults(dtype):
-    """Unset NT_KERNELS_PERFORMER: the default of the table above; "tc" asks for the tensor
-    cores (taken only where the shape fits), "simt" forces SIMT."""
+    """Unset NT_KERNELS_PERFORMER: the default of the table above; "tc" and "flash" ask for the
+    tensor-core or flash kernels (taken only where the shape fits), "simt" forces SIMT."""
     choose = torch.ops.nt_kernels.performer_cuda_kernels
     dt = DTYPES[dtype]
     assert choose(dt, "", True) == DEFAULT_KERNELS[dtype]
     assert choose(dt, "", False) == "simt"
     assert choose(dt, "tc", True) == "tc"
     assert choose(dt, "tc", False) == "simt"
+    assert choose(dt, "flash", True) == "flash"
+    assert choose(dt, "flash", False) == "simt"
     assert choose(dt, "simt", True) == "simt"
 
 
 def test_cuda_performer_choice_rejects_bad_names():
     choose = torch.ops.nt_kernels.performer_cuda_kernels
-    with pytest.raises(RuntimeError, match="performer_cuda_kernels: NT_KERNELS_PERFORMER must be 'tc' or 'simt', "
-                                           "got 'fast'"):
+    with pytest.raises(RuntimeError, match="performer_cuda_kernels: NT_KERNELS_PERFORMER must be 'tc', 'flash' or "
+                                           "'simt', got 'fast'"):
         choose(torch.bfloat16, "fast", True)
     with pytest.raises(RuntimeError, match="performer_cuda_kernels: dtype must be float32, float16 or bfloat16, "
                                            "got Double"):
@@ -370,8 +388,8 @@ def test_model_pow2_scale():
 
 # ----------------------------------------------------------------- CUDA
 @cuda_test
-@pytest.mark.parametrize("dim, m", DIM_FEATURES, ids=[f"D{d}-m{m}" for d, m in DIM_FEATURES])
-@pytest.mark.parametrize("impl, dtype", IMPL_DTYPES, ids=[f"{i}-{d}" for i, d in IMPL_DTYPES])
+@pytest.mark.parametrize("impl, dtype, dim, m", ACCURACY_CASES,
+                         ids=[f"{i}-{t}-D{d}-m{m}" for i, t, d, m in ACCURACY_CASES])
 def test_forward_and_gradients_match_reference(impl, dtype, dim, m, monkeypatch):
     monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
     case = make_case(SIZES, dim, m=m)
@@ -410,7 +428,7 @@ def test_unusual_dims_and_feature_counts(dim, m):
 
 
 @cuda_test
-@pytest.mark.parametrize("impl, dtype", [("simt", "float32"), ("tc", "bfloat16")])
+@pytest.mark.parametrize("impl, dtype", [("simt", "float32"), ("tc", "bfloat16"), ("flash", "bfloat16")])
 def test_only_listed_segments_are_written(impl, dtype, monkeypatch):
     monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
     case = cast(make_case(SMALL_SIZES, 8), DTYPES[dtype])
@@ -429,7 +447,8 @@ def test_only_listed_segments_are_written(impl, dtype, monkeypatch):
 
 @cuda_test
 @pytest.mark.parametrize("impl, dtype", [("simt", "float32"), ("simt", "bfloat16"), ("tc", "float32"),
-                                         ("tc", "bfloat16"), ("tc", "float16")])
+                                         ("tc", "bfloat16"), ("tc", "float16"), ("flash", "float32"),
+                                         ("flash", "bfloat16"), ("flash", "float16")])
 def test_deterministic_and_nan_stays_in_its_segment(impl, dtype, monkeypatch):
     monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
     q, k, v, rowptr, projection, grad_o = cast(make_case(SIZES, 23), DTYPES[dtype])
@@ -449,14 +468,19 @@ def test_deterministic_and_nan_stays_in_its_segment(impl, dtype, monkeypatch):
     assert torch.equal(o_nan[start:end, 1], first[0][start:end, 1])
 
 
+KERNEL_NAMES = {"tc": ("tc_keys_kernel", "tc_query_kernel", "tc_key_grad_kernel"),
+                "flash": ("fl_keys_kernel", "fl_query_kernel", "fl_key_grad_kernel"),
+                "simt": ("feature_sums_kernel", "row_kernel")}
+SWITCH_CASES = [("tc", "bfloat16", "tc"), ("flash", "bfloat16", "flash"), ("simt", "bfloat16", "simt"),
+                ("", "bfloat16", DEFAULT_KERNELS["bfloat16"]), ("tc", "float32", "tc"), ("flash", "float32", "flash"),
+                ("simt", "float32", "simt"), ("", "float32", DEFAULT_KERNELS["float32"])]
+
+
 @cuda_test
-@pytest.mark.parametrize("impl, dtype, want_tc", [
-    ("tc", "bfloat16", True), ("simt", "bfloat16", False), ("", "bfloat16", DEFAULT_KERNELS["bfloat16"] == "tc"),
-    ("tc", "float32", True), ("simt", "float32", False), ("", "float32", DEFAULT_KERNELS["float32"] == "tc"),
-], ids=["tc-bfloat16", "simt-bfloat16", "unset-bfloat16", "tc-float32", "simt-float32", "unset-float32"])
-def test_implementation_switch_picks_the_kernels(impl, dtype, want_tc, monkeypatch):
-    """At D=30, m=102: tc runs the tensor-core kernels (float32 as 3xTF32), simt does not;
-    unset, each dtype runs its default (DEFAULT_KERNELS)."""
+@pytest.mark.parametrize("impl, dtype, want", SWITCH_CASES, ids=[f"{i or 'unset'}-{d}" for i, d, _ in SWITCH_CASES])
+def test_implementation_switch_picks_the_kernels(impl, dtype, want, monkeypatch):
+    """At D=30, m=102: tc runs the tensor-core kernels, flash the flash kernels (float32 as 3xTF32 in
+    both), simt neither; unset, each dtype runs its default (DEFAULT_KERNELS)."""
     if impl:
         monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
     else:
@@ -466,15 +490,15 @@ def test_implementation_switch_picks_the_kernels(impl, dtype, want_tc, monkeypat
         kernel_fwd_bwd(*case)
         torch.cuda.synchronize()
     names = " ".join(e.name for e in prof.events())
-    for kernel in ("tc_keys_kernel", "tc_query_kernel", "tc_key_grad_kernel"):
-        assert (kernel in names) == want_tc, kernel
-    assert ("feature_sums_kernel" in names) == (not want_tc)
+    for kernels, wanted in KERNEL_NAMES.items():
+        for kernel in wanted:
+            assert (kernel in names) == (kernels == want), kernel
 
 
 @cuda_test
 def test_bad_implementation_name_is_rejected(monkeypatch):
     monkeypatch.setenv("NT_KERNELS_PERFORMER", "fast")
-    message = "performer_fwd_into: NT_KERNELS_PERFORMER must be 'tc' or 'simt', got 'fast'"
+    message = "performer_fwd_into: NT_KERNELS_PERFORMER must be 'tc', 'flash' or 'simt', got 'fast'"
     with pytest.raises(RuntimeError, match=message):
         kernel_fwd_bwd(*cast(make_case([3], 8), torch.bfloat16))
 

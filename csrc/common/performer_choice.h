@@ -1,4 +1,4 @@
-// Which CUDA Performer kernels run a call (SIMT or tensor cores): the policy
+// Which CUDA Performer kernels run a call (SIMT, tensor cores or flash): the policy
 // of the CUDA binding (csrc/cuda/segment_performer_binding.cpp), kept free of
 // CUDA so that every build, the CPU-only one included, exposes it as the op
 // nt_kernels::performer_cuda_kernels and CI pins the defaults on CPU
@@ -10,7 +10,7 @@
 
 namespace nt_kernels {
 
-enum class PerformerKernels : int { Simt = 0, TensorCore = 1 };
+enum class PerformerKernels : int { Simt = 0, TensorCore = 1, Flash = 2 };
 
 // With NT_KERNELS_PERFORMER unset, whether `dtype` runs the tensor-core kernels
 // where its shape fits them.  A kernel that has not run on a GPU is never a
@@ -19,12 +19,14 @@ enum class PerformerKernels : int { Simt = 0, TensorCore = 1 };
 bool performer_tensor_cores_by_default(c10::ScalarType dtype);
 
 // The kernels for a call: `mode` is NT_KERNELS_PERFORMER ("" when unset; "tc":
-// the tensor cores for every dtype whose shape fits; "simt": SIMT for every
-// dtype; anything else fails with a message naming the variable and `op`),
-// `tc_fits` whether the tensor-core kernels can run this shape
-// (performer_tensor_cores_fit).
+// the tensor cores of issue 27 for every dtype whose shape fits; "flash": the
+// FlashAttention-2-style kernels of issue 39 where the shape fits; "simt": SIMT
+// for every dtype; anything else fails with a message naming the variable and
+// `op`), `tc_fits` / `flash_fits` whether those kernels can run this shape
+// (performer_tensor_cores_fit, performer_flash_fit).  A shape the asked-for
+// kernels cannot run takes SIMT.
 PerformerKernels choose_performer_kernels(const char* op, c10::ScalarType dtype,
-                                          const std::string& mode, bool tc_fits);
+                                          const std::string& mode, bool tc_fits, bool flash_fits);
 
 // NT_KERNELS_PERFORMER's value, "" when unset (read at every call).
 std::string performer_kernels_mode();

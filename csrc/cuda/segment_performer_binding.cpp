@@ -8,7 +8,18 @@
 // unset, every dtype runs the SIMT kernels, the ones that passed on the H100;
 // "tc" runs the tensor-core kernels (bfloat16 / float16, float32 as 3xTF32)
 // where the shape fits them (performer_tensor_cores_fit) -- opt-in until a GPU
-// has passed them; "simt" forces the SIMT kernels.
+// has passed them; "flash" the FlashAttention-2-style kernels of issue 39 where
+// the shape fits them (performer_flash_fit; opt-in, never run yet), on the
+// listed segments sorted longest first (their work list); "simt" forces the
+// SIMT kernels.
+//
+// performer_fwd_state_table / performer_bwd_state_table_into (CUDA builds only:
+// the fused layer's backward, nt_kernels/backends/triton/ntconv_op.py): the
+// trusted-table calls that keep the flash kernels' per-segment state (W' = sigma
+// W, its column sums, M, sigma) from a forward for the backward on the same k,
+// v, segments and projection, so that the backward does not run the keys pass
+// again.  The forward returns the state (empty where other kernels ran); the
+// backward uses it when the flash kernels run and its size matches.
 //
 // performer_*_into: segment ids and rowptr values are checked like the CPU
 // kernels check them (common/segment_table.h): an id out of range would read
@@ -26,6 +37,7 @@
 // checked or computed here beyond shapes: the Performer kernels are the only
 // launches, and the call can be captured into a CUDA graph.
 #include <limits>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -81,14 +93,26 @@ Tensor checked_offsets(const char* op, const Tensor& q, const Tensor& rowptr,
   return performer_chunk_offsets(rowptr, segments, cuda::PERFORMER_CHUNK_ROWS);
 }
 
-// SIMT or tensor-core kernels for this call (see the file comment).
+// SIMT, tensor-core or flash kernels for this call (see the file comment).  The flash kernels
+// index chunk slots and segments in 32 bits.
 cuda::PerformerImpl choose_impl(const char* op, at::ScalarType dtype, const PerformerProblem& p) {
-  const size_t elem = dtype == at::kFloat ? sizeof(float) : 2;
-  const bool fits = cuda::performer_tensor_cores_fit(p, elem);
-  return choose_performer_kernels(op, dtype, performer_kernels_mode(), fits) ==
-                 PerformerKernels::TensorCore
-             ? cuda::PerformerImpl::TensorCore
-             : cuda::PerformerImpl::Simt;
+  const bool tc_fits = cuda::performer_tensor_cores_fit(p, p.elem);
+  const bool flash_fits = cuda::performer_flash_fit(p, p.elem) &&
+                          p.chunk_capacity < std::numeric_limits<int>::max();
+  switch (choose_performer_kernels(op, dtype, performer_kernels_mode(), tc_fits, flash_fits)) {
+    case PerformerKernels::TensorCore: return cuda::PerformerImpl::TensorCore;
+    case PerformerKernels::Flash: return cuda::PerformerImpl::Flash;
+    default: return cuda::PerformerImpl::Simt;
+  }
+}
+
+// The flash kernels' work list: the listed segments longest first (stable) and their chunk
+// offsets (device tensor ops, no sync).  The caller keeps both alive past the launches.
+std::pair<Tensor, Tensor> longest_first(const Tensor& rp, const Tensor& seg) {
+  const Tensor sizes = rp.index_select(0, seg + 1) - rp.index_select(0, seg);
+  const Tensor order = std::get<1>(sizes.sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  const Tensor sorted = seg.index_select(0, order).contiguous();
+  return {sorted, performer_chunk_offsets(rp, sorted, cuda::PERFORMER_CHUNK_ROWS)};
 }
 
 // rp, seg and the chunk offsets are contiguous and must outlive the launches:
@@ -114,8 +138,17 @@ PerformerProblem make_problem(const char* op, const Tensor& q, const Tensor& rp,
   p.eps = (float)eps;
   p.sm_count = sm_count;
   p.smem_optin = (size_t)smem_optin;
+  p.elem = q.scalar_type() == at::kFloat ? sizeof(float) : 2;
   p.impl = choose_impl(op, q.scalar_type(), p);
   return p;
+}
+
+// p's segments and chunk offsets replaced by the flash kernels' work list (kept in `keep`).
+void use_work_list(PerformerProblem& p, const Tensor& rp, const Tensor& seg, std::pair<Tensor, Tensor>& keep) {
+  if (p.impl != cuda::PerformerImpl::Flash) return;
+  keep = longest_first(rp, seg);
+  p.segments = keep.first.data_ptr<int64_t>();
+  p.chunk_offsets = keep.second.const_data_ptr<int64_t>();
 }
 
 template <typename T>
@@ -156,44 +189,70 @@ void check_backward(const char* op, const Tensor& dq, const Tensor& dk, const Te
               op, ": grad_o must match q's shape, dtype and device");
 }
 
-// The forward launch; `offsets` nullptr: checked and computed here (untrusted call).
-void run_forward(const char* op, const Tensor& o, const Tensor& q, const Tensor& k,
-                 const Tensor& v, const Tensor& rowptr, const Tensor& segments,
-                 const Tensor& projection, double eps, const Tensor* offsets) {
-  if (q.numel() == 0 || segments.numel() == 0) return;
+// The forward launch; `offsets` nullptr: checked and computed here (untrusted call).  With
+// `keep_state`, returns the flash kernels' per-segment state (empty where other kernels ran).
+Tensor run_forward(const char* op, const Tensor& o, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& rowptr, const Tensor& segments, const Tensor& projection, double eps,
+                   const Tensor* offsets, bool keep_state = false) {
+  const Tensor none = at::empty({0}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0 || segments.numel() == 0) return none;
   const c10::cuda::CUDAGuard guard(q.device());
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
   const Tensor table = offsets != nullptr ? *offsets : checked_offsets(op, q, rp, seg);
-  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, table);
-  const Tensor scratch =
-      at::empty({(int64_t)cuda::performer_scratch_floats(p, false)}, q.options().dtype(at::kFloat));
+  PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, table);
+  std::pair<Tensor, Tensor> work;
+  use_work_list(p, rp, seg, work);
+  const bool flash_state = keep_state && p.impl == cuda::PerformerImpl::Flash;
+  const Tensor state = flash_state
+      ? at::empty({(int64_t)cuda::performer_flash_state_floats(p)}, q.options().dtype(at::kFloat)) : none;
+  const size_t inner = flash_state ? cuda::performer_flash_state_floats(p) : 0;  // the state lives outside
+  const Tensor scratch = at::empty({(int64_t)(cuda::performer_scratch_floats(p, false) - inner)},
+                                   q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   C10_CUDA_CHECK(dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    if (flash_state)
+      return cuda::performer_forward_fl<T>(p, in<T>(qc), in<T>(kc), in<T>(vc), in<T>(pc), out<T>(o),
+                                           scratch.mutable_data_ptr<float>(), state.mutable_data_ptr<float>(),
+                                           stream);
     return cuda::performer_forward<T>(p, in<T>(qc), in<T>(kc), in<T>(vc), in<T>(pc), out<T>(o),
                                       scratch.mutable_data_ptr<float>(), stream);
   }));
+  return state;
 }
 
-// The backward launch; `offsets` as in run_forward.
+// The backward launch; `offsets` as in run_forward.  `state`: a forward's flash state
+// (run_forward with keep_state) or nullptr.
 void run_backward(const char* op, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                   const Tensor& grad_o, const Tensor& q, const Tensor& k, const Tensor& v,
                   const Tensor& rowptr, const Tensor& segments, const Tensor& projection,
-                  double eps, const Tensor* offsets) {
+                  double eps, const Tensor* offsets, const Tensor* state = nullptr) {
   if (q.numel() == 0 || segments.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor gc = grad_o.contiguous(), pc = projection.contiguous();
   const Tensor rp = rowptr.contiguous(), seg = segments.contiguous();
   const Tensor table = offsets != nullptr ? *offsets : checked_offsets(op, q, rp, seg);
-  const PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, table);
-  const Tensor scratch =
-      at::empty({(int64_t)cuda::performer_scratch_floats(p, true)}, q.options().dtype(at::kFloat));
+  PerformerProblem p = make_problem(op, qc, rp, seg, pc, eps, table);
+  std::pair<Tensor, Tensor> work;
+  use_work_list(p, rp, seg, work);
+  const bool ready = state != nullptr && p.impl == cuda::PerformerImpl::Flash &&
+                     state->scalar_type() == at::kFloat && state->is_contiguous() &&
+                     state->device() == q.device() &&
+                     (size_t)state->numel() == cuda::performer_flash_state_floats(p);
+  const size_t inner = ready ? cuda::performer_flash_state_floats(p) : 0;
+  const Tensor scratch = at::empty({(int64_t)(cuda::performer_scratch_floats(p, true) - inner)},
+                                   q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   C10_CUDA_CHECK(dispatch(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    if (ready)
+      return cuda::performer_backward_fl<T>(p, in<T>(gc), in<T>(qc), in<T>(kc), in<T>(vc), in<T>(pc),
+                                            out<T>(dq), out<T>(dk), out<T>(dv),
+                                            scratch.mutable_data_ptr<float>(),
+                                            const_cast<float*>(state->const_data_ptr<float>()), true, stream);
     return cuda::performer_backward<T>(p, in<T>(gc), in<T>(qc), in<T>(kc), in<T>(vc), in<T>(pc),
                                        out<T>(dq), out<T>(dk), out<T>(dv),
                                        scratch.mutable_data_ptr<float>(), stream);
@@ -236,13 +295,44 @@ void performer_bwd_table_into_cuda(const Tensor& dq, const Tensor& dk, const Ten
   run_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection, eps, &table);
 }
 
+Tensor performer_fwd_state_table_cuda(const Tensor& o, const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& rowptr, const Tensor& segments, const Tensor& table,
+                                      const Tensor& projection, double eps) {
+  const char* op = "performer_fwd_state_table";
+  check_forward(op, o, q, k, v, rowptr, segments, projection);
+  check_table_shape(op, table, segments);
+  return run_forward(op, o, q, k, v, rowptr, segments, projection, eps, &table, true);
+}
+
+void performer_bwd_state_table_into_cuda(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                         const Tensor& grad_o, const Tensor& q, const Tensor& k,
+                                         const Tensor& v, const Tensor& rowptr, const Tensor& segments,
+                                         const Tensor& table, const Tensor& projection, double eps,
+                                         const Tensor& state) {
+  const char* op = "performer_bwd_state_table_into";
+  check_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection);
+  check_table_shape(op, table, segments);
+  run_backward(op, dq, dk, dv, grad_o, q, k, v, rowptr, segments, projection, eps, &table, &state);
+}
+
 }  // namespace
+
+// CUDA builds only: the fused layer's state-keeping calls (see the file comment).
+TORCH_LIBRARY_FRAGMENT(nt_kernels, m) {
+  m.def("performer_fwd_state_table(Tensor(a!) o, Tensor q, Tensor k, Tensor v, Tensor rowptr, "
+        "Tensor segments, Tensor table, Tensor projection, float eps) -> Tensor");
+  m.def("performer_bwd_state_table_into(Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor grad_o, "
+        "Tensor q, Tensor k, Tensor v, Tensor rowptr, Tensor segments, Tensor table, Tensor projection, "
+        "float eps, Tensor state) -> ()");
+}
 
 TORCH_LIBRARY_IMPL(nt_kernels, CUDA, m) {
   m.impl("performer_fwd_into", &performer_fwd_into_cuda);
   m.impl("performer_bwd_into", &performer_bwd_into_cuda);
   m.impl("performer_fwd_table_into", &performer_fwd_table_into_cuda);
   m.impl("performer_bwd_table_into", &performer_bwd_table_into_cuda);
+  m.impl("performer_fwd_state_table", &performer_fwd_state_table_cuda);
+  m.impl("performer_bwd_state_table_into", &performer_bwd_state_table_into_cuda);
 }
 
 }  // namespace nt_kernels

@@ -1,5 +1,6 @@
 // Launch sequence of the SIMT CUDA Performer (FAVOR+) passes over CSR segments
-// (the tensor-core launchers, chosen by p.impl, are in segment_performer_tc_launch.cuh):
+// (the tensor-core and flash launchers, chosen by p.impl, are in segment_performer_tc_launch.cuh
+// and segment_performer_fl_launch.cuh):
 // scratch layout, geometry and the forward / backward launchers (kernels in
 // segment_performer_features.cuh, segment_performer_combine.cuh and
 // segment_performer_rows.cuh; algorithm in docs/kernels-performer-cuda.md, "CUDA Performer").
@@ -101,6 +102,8 @@ cudaError_t performer_forward(const PerformerProblem& p, const T* q, const T* k,
                               const T* projection, T* o, float* scratch, cudaStream_t stream) {
   if (p.impl == PerformerImpl::TensorCore)
     return performer_forward_tc<T>(p, q, k, v, projection, o, scratch, stream);
+  if (p.impl == PerformerImpl::Flash)
+    return performer_forward_fl<T>(p, q, k, v, projection, o, scratch, nullptr, stream);
   if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, false);
@@ -123,6 +126,8 @@ cudaError_t performer_backward(const PerformerProblem& p, const T* grad_o, const
                                float* scratch, cudaStream_t stream) {
   if (p.impl == PerformerImpl::TensorCore)
     return performer_backward_tc<T>(p, grad_o, q, k, v, projection, dq, dk, dv, scratch, stream);
+  if (p.impl == PerformerImpl::Flash)
+    return performer_backward_fl<T>(p, grad_o, q, k, v, projection, dq, dk, dv, scratch, nullptr, false, stream);
   if (p.rows == 0 || p.num_segments == 0 || p.heads == 0) return cudaSuccess;
   const Geometry g = make_geometry(p);
   const ScratchLayout s = scratch_layout(p, true);

@@ -4,10 +4,15 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
 
 * ``fused`` — ours, :func:`nt_kernels.neighbourhood_attention` on a
   :class:`NeighbourhoodCSR` whose segment split is built before timing;
-* ``performer-simt`` — the same with the CUDA Performer path forced onto its
-  SIMT kernels (``NT_KERNELS_PERFORMER=simt``), so that one run under
-  ``NT_KERNELS_PERFORMER=tc`` measures the (opt-in) tensor-core kernels
-  against them (CUDA only);
+* ``performer-simt``, ``performer-tc``, ``performer-flash`` — the same with the
+  CUDA Performer path forced onto one implementation (``NT_KERNELS_PERFORMER``
+  ``simt``, ``tc``: the tensor-core kernels of issue 27, ``flash``: the
+  FlashAttention-2-style kernels of issue 39; the last two opt-in), so that one
+  run times them side by side (CUDA only);
+* ``performer-gemm`` — the yardstick: the same Performer math composed of library
+  GEMMs (:mod:`nt_kernels.bench.performer_gemm`; grouped GEMMs, or ``bmm`` over
+  padded chunks in float64), on graphs whose every segment takes the Performer
+  path (``--subset performer``); every device;
 * ``reference`` — the per-segment loop of :mod:`nt_reference.ops` (small graphs);
 * the paper's strategies from :mod:`nt_kernels.baselines.strategies`: ``parallel``
   (one padded batch, exact attention everywhere), ``by-size`` (size split at the
@@ -35,6 +40,9 @@ import torch
 from nt_kernels.bench import peers
 from nt_kernels.bench.context import ALPHAS, STRATEGY_FAMILIES, Backend, Context
 
+# The CUDA Performer implementation each performer-<kernels> backend forces (NT_KERNELS_PERFORMER).
+PERFORMER_KERNELS = {"performer-simt": "simt", "performer-tc": "tc", "performer-flash": "flash"}
+
 # Padded-tensor estimate: per padded row and head, c_d * D elements for the
 # gathered q, k, v, their outputs and gradients, plus c_m * m Performer feature
 # elements or c_l * L exact score elements (scores, probabilities, gradient).
@@ -43,8 +51,8 @@ EST_C_D, EST_C_M, EST_C_L = 8, 8, 3
 
 def all_backends(alphas=ALPHAS) -> list[Backend]:
     """Every backend in table order: ours, the loop reference, the paper's strategies, the peers."""
-    backends = [Backend("fused", "fused"), Backend("performer-simt", "performer-simt"),
-                Backend("reference", "reference"),
+    backends = [Backend("fused", "fused"), *(Backend(name, name) for name in PERFORMER_KERNELS),
+                Backend("performer-gemm", "performer-gemm"), Backend("reference", "reference"),
                 Backend("parallel", "parallel"), Backend("by-size", "by-size")]
     backends += [Backend(f"partitioned-{a:g}", "partitioned", float(a)) for a in alphas]
     backends += [Backend("sequential", "sequential"), *peers.peer_backends()]
@@ -117,11 +125,15 @@ def skip_reason(backend: Backend, ctx: Context) -> str | None:
         reason = peers.skip_reason(backend, ctx)
         if reason is not None:
             return reason
-    if backend.family == "performer-simt":
+    if backend.family in PERFORMER_KERNELS:
         if ctx.device.type != "cuda":
-            return "n/a: the SIMT CUDA Performer kernels need a CUDA device"
+            return f"n/a: the CUDA Performer kernels ({PERFORMER_KERNELS[backend.family]}) need a CUDA device"
         if not ctx.has_performer_segments:
             return "n/a: no Performer-path segments"
+    if backend.family == "performer-gemm":
+        reason = gemm_not_applicable(ctx)
+        if reason is not None:
+            return reason
     if backend.family == "reference" and ctx.num_edges > ctx.reference_max_edges:
         return f"skipped: loop reference limited to E <= {ctx.reference_max_edges} (--reference-max-edges)"
     est = padded_estimate_bytes(backend, ctx)
@@ -143,7 +155,9 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
     projection = ctx.projection if backend.semantics == "switch" else None
     threshold = ctx.threshold if backend.semantics == "switch" else math.inf
     rowptr = ctx.csr.rowptr
-    if backend.family in ("fused", "performer-simt"):
+    if backend.family == "performer-gemm":
+        return _prepare_gemm(ctx)
+    if backend.family == "fused" or backend.family in PERFORMER_KERNELS:
         import nt_kernels
 
         _select_performer_kernels(backend.family)
@@ -175,23 +189,60 @@ def prepare(backend: Backend, ctx: Context) -> Callable:
     raise ValueError(f"bench: no backend family {backend.family!r}")
 
 
-# NT_KERNELS_PERFORMER as set by performer-simt (read by the CUDA op at every call);
+# NT_KERNELS_PERFORMER as set by the performer-<kernels> backends (read by the CUDA op at every call);
 # fused restores the value it had, so an in-process run does not carry it over.
 _PERFORMER_ENV = "NT_KERNELS_PERFORMER"
 _performer_env_saved: list = []
 
 
 def _select_performer_kernels(family: str) -> None:
-    if family == "performer-simt":
+    if family in PERFORMER_KERNELS:
         if not _performer_env_saved:
             _performer_env_saved.append(os.environ.get(_PERFORMER_ENV))
-        os.environ[_PERFORMER_ENV] = "simt"
+        os.environ[_PERFORMER_ENV] = PERFORMER_KERNELS[family]
     elif _performer_env_saved:
         old = _performer_env_saved.pop()
         if old is None:
             os.environ.pop(_PERFORMER_ENV, None)
         else:
             os.environ[_PERFORMER_ENV] = old
+
+
+# ------------------------------------------------------------- performer-gemm
+def gemm_not_applicable(ctx: Context) -> str | None:
+    """Why the GEMM yardstick cannot run this bench: it computes the Performer path only."""
+    if ctx.projection is None or math.isinf(ctx.threshold):
+        return "n/a: exact mode (Performer-only backend)"
+    if any(0 < n <= ctx.threshold and c > 0 for n, c in zip(*ctx.hist)):
+        return "n/a: graph has exact-path segments (Performer-only backend; use --subset performer)"
+    return None
+
+
+def gemm_mode(ctx: Context) -> str:
+    """``grouped`` (torch._grouped_mm) for bfloat16 on sm_90 and newer, where torch runs it on CUTLASS
+    grouped GEMMs; ``bmm`` over padded chunks elsewhere (on the CPU the grouped op is a loop)."""
+    grouped = (hasattr(torch, "_grouped_mm") and ctx.device.type == "cuda" and ctx.dtype == torch.bfloat16
+               and torch.cuda.get_device_capability(ctx.device) >= (9, 0))
+    return "grouped" if grouped else "bmm"
+
+
+def _prepare_gemm(ctx: Context) -> Callable:
+    """The yardstick on this graph; a grouped plan is tried once here (zeros, forward and backward) and
+    replaced by the bmm plan if this torch build refuses its shapes (strides, offsets) on the device."""
+    from nt_kernels.bench.performer_gemm import GemmPlan, performer_gemm
+
+    projection, mode = ctx.projection, gemm_mode(ctx)
+    plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode=mode)
+    if mode == "grouped":
+        shape = (ctx.num_edges, ctx.heads, ctx.head_dim)
+        q = torch.zeros(shape, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
+        try:
+            performer_gemm(q, q, q, plan, projection).sum().backward()
+        except RuntimeError as exc:
+            print(f"performer-gemm: grouped GEMMs refused ({str(exc).splitlines()[0][:160]}); bmm instead",
+                  file=sys.stderr)
+            plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode="bmm")
+    return lambda q, k, v: performer_gemm(q, k, v, plan, projection)
 
 
 # ----------------------------------------------------------------- fused probe

@@ -244,6 +244,19 @@ def summarize_peers(doc: dict) -> dict:
     return summary
 
 
+def summarize_gemm(doc: dict) -> dict:
+    """fwd+bwd speed-up of fused and of each forced CUDA Performer backend over the performer-gemm yardstick
+    (issue 39: a hand-written Performer kernel must beat the library-GEMM composition of the same math)."""
+    by_name = {e["backend"]: e for e in doc["results"]}
+    gemm = by_name.get("performer-gemm")
+    if not (gemm and _ok(gemm)):
+        return {}
+    names = ["fused", *bb.PERFORMER_KERNELS]
+    return {f"speedup_fwd_bwd_vs_performer_gemm_{name}": _ratio(gemm["forward_backward_ms"],
+                                                                 by_name[name]["forward_backward_ms"])
+            for name in names if name in by_name and _ok(by_name[name])}
+
+
 def summarize(doc: dict) -> dict:
     """Fused vs the fastest paper strategy (time and memory ratios), vs partitioned alpha = 0.4, vs the peers."""
     by_name = {e["backend"]: e for e in doc["results"]}
@@ -251,6 +264,7 @@ def summarize(doc: dict) -> dict:
     strategies = [e for e in doc["results"] if e["family"] in bb.STRATEGY_FAMILIES and _ok(e)]
     summary = {"fused": "ok" if fused and _ok(fused) else (fused or {}).get("status", "not run")}
     summary.update(summarize_peers(doc))
+    summary.update(summarize_gemm(doc))
     if not strategies:
         return summary
     best = min(strategies, key=lambda e: e["forward_backward_ms"])

@@ -39,7 +39,11 @@
 #               backends: "fused,flex" costs about 25 s of FlexAttention compiling;
 #               GPU_PERF_PERFORMER_DTYPES, e.g. float32, adds Performer runs in those dtypes;
 #               GPU_PERF_PERFORMER_MODE=tc runs them with NT_KERNELS_PERFORMER=tc, so that
-#               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT)
+#               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT;
+#               performer-tc / performer-flash / performer-gemm force their kernels per backend, so
+#               GPU_PERF_PERFORMER_BACKENDS=performer-simt,performer-tc,performer-flash,performer-gemm
+#               is the issue-39 A/B in one run; GPU_PERF_PERFORMER_SHAPE=H,D, e.g. 2,30 (the tolokers
+#               layer's), sets the Performer runs' heads and head dim)
 # Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
 # CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 520),
 # GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu/gpu_common.sh's.
@@ -52,7 +56,7 @@ export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
 export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \
-  GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-}
+  GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-} GPU_PERF_PERFORMER_SHAPE=${GPU_PERF_PERFORMER_SHAPE:-}
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
@@ -125,13 +129,17 @@ stage_op() {
   # The Performer subset first (the first H200 run's exact subset with FlexAttention took 40 s of the
   # stage and left the Performer none). GPU_PERF_PERFORMER_MODE (tc or simt) is NT_KERNELS_PERFORMER for
   # the Performer runs only.
-  local rc=0 mode=(env) dtype
+  local rc=0 mode=(env) dtype shape=()
   [ -n "$GPU_PERF_PERFORMER_MODE" ] && mode=(env NT_KERNELS_PERFORMER="$GPU_PERF_PERFORMER_MODE")
-  "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
-    --out "$WORK/json/perf-op-performer.json" || rc=1
+  if [ -n "$GPU_PERF_PERFORMER_SHAPE" ] && have_cuda; then  # H,D of the Performer runs (later flags win)
+    shape=(--heads "${GPU_PERF_PERFORMER_SHAPE%,*}" --head-dim "${GPU_PERF_PERFORMER_SHAPE#*,}")
+  fi
+  "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" "${shape[@]}" --subset performer \
+    --backends "$GPU_PERF_PERFORMER_BACKENDS" --out "$WORK/json/perf-op-performer.json" || rc=1
   for dtype in ${GPU_PERF_PERFORMER_DTYPES//,/ }; do  # more dtypes of the Performer subset
-    "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" --subset performer --backends "$GPU_PERF_PERFORMER_BACKENDS" \
-      --dtype "$dtype" --out "$WORK/json/perf-op-performer-$dtype.json" || rc=1
+    "${mode[@]}" bash -c 'ntpy "$@"' _ "${bench[@]}" "${shape[@]}" --subset performer \
+      --backends "$GPU_PERF_PERFORMER_BACKENDS" --dtype "$dtype" \
+      --out "$WORK/json/perf-op-performer-$dtype.json" || rc=1
   done
   ntpy "${bench[@]}" --subset exact --backends "$GPU_PERF_OP_BACKENDS" --out "$WORK/json/perf-op-exact.json" || rc=1
   return $rc

@@ -15,7 +15,9 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
    are finished from that state at the end.  The attention's lse is a per-chunk
    transient: the op returns an empty (0, H) ``lse`` and keeps none for the backward.
 
-The backward recomputes 1-3 per chunk (the attention with its lse), gets dy and do = dy · w_out from the
+The backward recomputes 1-3 per chunk (the attention with its lse; with the flash Performer kernels,
+``NT_KERNELS_PERFORMER=flash``, keeping the Performer's per-segment state so that its backward skips
+the keys pass), gets dy and do = dy · w_out from the
 saved (out, stats) in one kernel (ntconv_grad.py; where ``split_width``
 allows, that kernel recomputes y from o itself and also sums dW_out and
 db_out, so y and dy are never stored), then the attention
@@ -107,29 +109,51 @@ def qkv_buffer(p: Problem, chunk, dtype, fill: bool = False) -> torch.Tensor:
     return (torch.zeros if fill else torch.empty)(shape, dtype=dtype, device=p.device)
 
 
-def _attention_fwd(p: Problem, chunk, o, lse, q, k, v) -> None:
+def _keeps_performer_state(q: torch.Tensor) -> bool:
+    """Whether the backward keeps the Performer's per-segment state from its recomputed forward, so that
+    the Performer backward skips the keys pass (issue 39: the keys pass once per backward, twice per
+    layer): with the flash kernels (NT_KERNELS_PERFORMER=flash, opt-in) in a build that has the state ops."""
+    return (q.is_cuda and os.environ.get("NT_KERNELS_PERFORMER") == "flash"
+            and hasattr(torch.ops.nt_kernels, "performer_fwd_state_table"))
+
+
+def _attention_fwd(p: Problem, chunk, o, lse, q, k, v, keep_state: bool = False):
     """Exact kernels with work in this chunk (their launch list kept on the plan), then the Performer
-    kernels through the trusted table the plan checked when it was built (no sync, no check here)."""
+    kernels through the trusted table the plan checked when it was built (no sync, no check here).
+    With ``keep_state`` (the backward's recompute) returns the Performer's per-segment state for
+    _attention_bwd (None where there is none to keep)."""
     if chunk.exact_plan is not None:
         softmax_fwd(o, lse, q, k, v, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
                     memo=p.plan.memo)
-    if chunk.performer is not None:
-        torch.ops.nt_kernels.performer_fwd_table_into(o, q, k, v, chunk.rowptr, chunk.performer,
-                                                      chunk.performer_table, p.projection, p.eps)
+    if chunk.performer is None:
+        return None
+    if keep_state and _keeps_performer_state(q):
+        return torch.ops.nt_kernels.performer_fwd_state_table(o, q, k, v, chunk.rowptr, chunk.performer,
+                                                              chunk.performer_table, p.projection, p.eps)
+    torch.ops.nt_kernels.performer_fwd_table_into(o, q, k, v, chunk.rowptr, chunk.performer,
+                                                  chunk.performer_table, p.projection, p.eps)
+    return None
 
 
-def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse) -> None:
+def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse, state=None) -> None:
     if chunk.exact_plan is not None:
         softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
                     memo=p.plan.memo)
-    if chunk.performer is not None:
+    if chunk.performer is None:
+        return
+    if state is not None:
+        torch.ops.nt_kernels.performer_bwd_state_table_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
+                                                            chunk.performer_table, p.projection, p.eps, state)
+    else:
         torch.ops.nt_kernels.performer_bwd_table_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,
                                                       chunk.performer_table, p.projection, p.eps)
 
 
-def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: bool = True):
-    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du), every per-row buffer in the parameters'
-    dtype (the autocast dtype under autocast); z and dz/du only if ``store_z``, y only if ``project``."""
+def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: bool = True,
+              keep_state: bool = False):
+    """Steps 1-3 for one chunk: (y, o, q, k, v, z, dz/du, Performer state), every per-row buffer in the
+    parameters' dtype (the autocast dtype under autocast); z and dz/du only if ``store_z``, y only if
+    ``project``, the state (_attention_fwd) only if ``keep_state``."""
     rows, prec, emu = chunk.rows, p.dot_prec, p.bf16_emu
     qkv = qkv_buffer(p, chunk, p.dtype)
     z = torch.empty((rows, p.channels), dtype=p.dtype, device=p.device) if store_z else None
@@ -137,14 +161,14 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: boo
     prologue(qkv, z, jac, p, chunk, seg_of_row, prec, emu)
     q, k, v = qkv[:, :rows].unbind(0)
     o = _uncovered_zeros(p, q.shape, q.dtype)
-    _attention_fwd(p, chunk, o, lse, q, k, v)
+    state = _attention_fwd(p, chunk, o, lse, q, k, v, keep_state)
     if not project:
-        return None, o, q, k, v, z, jac
+        return None, o, q, k, v, z, jac, state
     y = torch.empty((rows, p.out_channels), dtype=p.dtype, device=p.device)
     c = p.channels
     rows_gemm(y, o, p.w_out, rows=rows, k=c, n=p.out_channels, a_split=c, a_part=0, a_row=c, w_k=1, w_n=c,
               bias=p.b_out, dot_prec=prec, bf16_emu=emu)
-    return y, o, q, k, v, z, jac
+    return y, o, q, k, v, z, jac, state
 
 
 def _sm90_paths(p: Problem) -> tuple[bool, bool]:
@@ -354,7 +378,8 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads, paths: tuple[bool
     # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o; z and dz/du unless the input
     # gradients recompute them), then dy from the saved state.
     split, inputs_one_pass = paths
-    y, o, q, k, v, z, jac = _messages(p, chunk, seg_of_row, lse, project=not split, store_z=not inputs_one_pass)
+    y, o, q, k, v, z, jac, state = _messages(p, chunk, seg_of_row, lse, project=not split,
+                                             store_z=not inputs_one_pass, keep_state=True)
     if split:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
         do = torch.empty_like(o)
         message_grad_split(do, o, _grad_mode(p), p, chunk, saved, g.w_out, g.b_out)
@@ -364,7 +389,7 @@ def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads, paths: tuple[bool
         _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
     # Attention backward, then the prologue's gradients.
     dqkv = qkv_buffer(p, chunk, p.dtype, fill=not p.plan.rows_covered)
-    _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse)
+    _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse, state)
     _input_grads(p, chunk, g, dqkv, z, jac, seg_of_row)
 
 
