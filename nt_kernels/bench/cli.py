@@ -216,6 +216,10 @@ def _ratio(a, b):
     return a / b if b else None
 
 
+# What a user would write instead: the peers, and the Performer composed of library GEMMs (issue 39's yardstick).
+SUMMARY_PEERS = (*PEER_FAMILIES, "performer-gemm")
+
+
 def summarize_peers(doc: dict) -> dict:
     """Fused vs the fastest peer: fwd+bwd among peers with a backward, forward among all that ran.
 
@@ -225,7 +229,7 @@ def summarize_peers(doc: dict) -> dict:
     by_name = {e["backend"]: e for e in doc["results"]}
     fused = by_name.get("fused")
     all_exact = doc["graph"]["segments"]["performer"] == 0
-    ran = [e for e in doc["results"] if e["family"] in PEER_FAMILIES and "forward_ms" in e
+    ran = [e for e in doc["results"] if e["family"] in SUMMARY_PEERS and "forward_ms" in e
            and e["status"] in ("ok", bm.FORWARD_ONLY)
            and (all_exact or bb.Backend(e["backend"], e["family"], e["alpha"]).semantics == "switch")]
     summary = {}
