@@ -360,9 +360,9 @@ def du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre):
         centre_fixup(part, d_centre, chunk, c)
 
 
-def centre_fixup(part, d_centre, chunk, c, tile_rows: int = DU_ROWS) -> None:
-    """d_centre += the partial sums of the segments that cross ``tile_rows``-row tiles (``part``: tiles x 2 x C)."""
+def centre_fixup(part, d_centre, chunk, c) -> None:
+    """d_centre += the partial sums of the segments that cross DU_ROWS-row tiles (``part``: tiles x 2 x C)."""
     if chunk.seg1 > chunk.seg0:
-        _centre_fixup_kernel[(chunk.seg1 - chunk.seg0,)](chunk.rowptr, part, d_centre, C=c, BLOCK_R=tile_rows,
+        _centre_fixup_kernel[(chunk.seg1 - chunk.seg0,)](chunk.rowptr, part, d_centre, C=c, BLOCK_R=DU_ROWS,
                                                          BLOCK_T=FIXUP_TILES, BLOCK_C=block_n(c, DU_MAX_CHANNELS),
                                                          num_warps=4, num_stages=1)

@@ -149,6 +149,13 @@ def _head_dy(y_first, y_value, g, e1, e2, D: tl.constexpr, MODE: tl.constexpr):
     return g * gelu_grad(y_first), y_value
 
 
+@triton.jit
+def _o_tile(o, r0, e, c, end, C: tl.constexpr):
+    """o's rows r0 + e (those before ``end``), channels c < C: 64-bit row base, 32-bit offsets."""
+    return tl.load(o + tl.cast(r0, tl.int64) * C + (e[:, None] * C + c[None, :]),
+                   mask=(r0 + e < end)[:, None] & (c < C)[None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["row0", "R", "heads"])
 def _dy_stream_kernel(o, g_out, out, stats, recv_rowptr, receiver, w_out, b_out, dy, do, row0, R, heads,
                       H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr, TILES: tl.constexpr,
@@ -167,17 +174,16 @@ def _dy_stream_kernel(o, g_out, out, stats, recv_rowptr, receiver, w_out, b_out,
     e = tl.arange(0, BLOCK_E)
     first = tl.program_id(0) * (TILES * BLOCK_E)
     end = tl.minimum(R, first + TILES * BLOCK_E)
-    o_next = tl.load(o + tl.cast(first, tl.int64) * C + (e[:, None] * C + c[None, :]),
-                     mask=(first + e < end)[:, None] & c_valid[None, :], other=0.0)
+    o_next = _o_tile(o, first, e, c, end, C)
+    o_after = _o_tile(o, first + BLOCK_E, e, c, end, C)
     k_next = tl.load(receiver + row0 + first + e, mask=first + e < end, other=0)
     for r0 in range(first, end, BLOCK_E):
-        # Step 1: this tile's o and receivers (loaded a tile ago); the next tile's, before this tile's math.
-        o_tile, k = o_next, k_next
+        # Step 1: this tile's o (loaded two tiles ago) and receivers (a tile ago); o of the tile after next and
+        # the next tile's receivers, before this tile's math.
+        o_tile, o_next, k = o_next, o_after, k_next
         valid = r0 + e < end
-        rows_next = r0 + BLOCK_E + e < end
-        o_next = tl.load(o + tl.cast(r0 + BLOCK_E, tl.int64) * C + (e[:, None] * C + c[None, :]),
-                         mask=rows_next[:, None] & c_valid[None, :], other=0.0)
-        k_next = tl.load(receiver + row0 + r0 + BLOCK_E + e, mask=rows_next, other=0)
+        o_after = _o_tile(o, r0 + 2 * BLOCK_E, e, c, end, C)
+        k_next = tl.load(receiver + row0 + r0 + BLOCK_E + e, mask=r0 + BLOCK_E + e < end, other=0)
         e1 = tl.zeros([BLOCK_E], tl.float32)
         if MODE == 1:  # GRAD_MEAN: the receivers' in-degrees
             deg = tl.load(recv_rowptr + k + 1, mask=valid, other=1) - tl.load(recv_rowptr + k, mask=valid, other=0)
@@ -229,14 +235,13 @@ def _project_stream_kernel(o, w_out, b_out, y, gate, R, heads, H: tl.constexpr, 
     e = tl.arange(0, BLOCK_E)
     first = tl.program_id(0) * (TILES * BLOCK_E)
     end = tl.minimum(R, first + TILES * BLOCK_E)
-    o_next = tl.load(o + tl.cast(first, tl.int64) * C + (e[:, None] * C + c[None, :]),
-                     mask=(first + e < end)[:, None] & c_valid[None, :], other=0.0)
+    o_next = _o_tile(o, first, e, c, end, C)
+    o_after = _o_tile(o, first + BLOCK_E, e, c, end, C)
     for r0 in range(first, end, BLOCK_E):
-        # Step 1: this tile's o (loaded a tile ago), the next tile's before this tile's products.
-        o_tile = o_next
+        # Step 1: this tile's o (loaded two tiles ago), o of the tile after next before this tile's products.
+        o_tile, o_next = o_next, o_after
         valid = r0 + e < end
-        o_next = tl.load(o + tl.cast(r0 + BLOCK_E, tl.int64) * C + (e[:, None] * C + c[None, :]),
-                         mask=(r0 + BLOCK_E + e < end)[:, None] & c_valid[None, :], other=0.0)
+        o_after = _o_tile(o, r0 + 2 * BLOCK_E, e, c, end, C)
         # Step 2: per head, what the receiver reduction reads: y (plain), or the value half and the gate.
         mask = valid[:, None] & d_valid[None, :]
         y_tile = y + tl.cast(r0, tl.int64) * C_OUT
