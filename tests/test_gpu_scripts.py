@@ -279,3 +279,17 @@ def test_bytes_model_counts_tolokers_and_docs_quote_it():
     assert f"| | **total** | {' | '.join(totals)} |" in page
     floor = sum(b for _, _, b in m.floor(m.Classes().rows, 60, 2, 2, att))
     assert f"**{floor / 1e9:.2f} GB**" in page
+    # issue 40: the streaming design's bytes and each design's layer bound (the larger of bytes and latency per
+    # kernel) as the page's table of the three designs quotes them
+    bounds = []
+    for stored, stream in ((True, False), (False, False), (False, True)):
+        rows = m.kernels(m.Classes().rows, m.Classes().nodes, 60, 120, 2, 0, 2, 2, 2, True, True, att,
+                         sm90=not (stored or stream), stream=stream)
+        if stream:
+            assert f"**{sum(r[2] for r in rows) / 1e9:.2f} GB**" in page
+        bound = 0.0
+        for r in rows:
+            t = max(r[2] / m.BANDWIDTH, r[3] / m.TENSOR_FLOPS)
+            bound += t if r[6] is None else max(t, m.latency_time(r[6], m.Classes().rows, r[5], r[7])[1])
+        bounds.append(f"{bound * 1e3:.2f} ms")
+    assert f"| layer bound (larger per kernel) | {' | '.join(bounds)} |" in page

@@ -75,18 +75,14 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
                               dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
     if dtype != "fp32":  # the one-pass input gradients (sm_90, 16-bit parameters) at the layer shapes they serve
         igrad = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, receiver="*i64", perm="*i64",
-                     seg_of_row="*i64", rowptr="*i64", dqkv=t, du=t, d_centre="*fp32", scratch="*fp32",
-                     partials="*fp32", row0="i32", R="i32", PART="i32", seg0="i32", seed_word="i32",
-                     seed_ptr="*i64", threshold="i32", drop_scale="fp32")
-        specs += [Spec(f"input_grad_split{' + d_centre' if centre else ''} C{c} F{f}",
-                       ntconv_igrad._input_grad_split_kernel, igrad,
+                     seg_of_row="*i64", dqkv=t, du=t, partials="*fp32", row0="i32", R="i32", PART="i32",
+                     seed_word="i32", seed_ptr="*i64", threshold="i32", drop_scale="fp32")
+        specs += [Spec(f"input_grad_split C{c} F{f}", ntconv_igrad._input_grad_split_kernel, igrad,
                        dict(base, C=c, F=f, SPLIT_ROWS=ntconv_plan.split_k_rows(1 << 20),
                             BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS),
-                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, SEED_ON_DEVICE=False,
-                            CENTRE=centre),
+                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, SEED_ON_DEVICE=False),
                        dict(num_warps=ntconv_igrad.INPUT_WARPS, num_stages=1), ntconv_igrad.INPUT_MIN_ARCH)
-                  for c, f, _ in LAYER_SHAPES if ntconv_igrad.input_split_ok(c, 2, ntconv_igrad.INPUT_MIN_ARCH)
-                  for centre in (False, True)]
+                  for c, f, _ in LAYER_SHAPES if ntconv_igrad.input_split_ok(c, 2, ntconv_igrad.INPUT_MIN_ARCH)]
     for c in sorted({c for c, _, _ in LAYER_SHAPES if ntconv_gemm.fused_centre(c)}):
         width = ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS)
         specs += [Spec(f"du{' + d_centre' if centre else ''} C{c}", ntconv_gemm._du_kernel,

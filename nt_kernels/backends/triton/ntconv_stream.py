@@ -5,36 +5,37 @@ ntconv_igrad._input_grad_split_kernel) carry three 64 x 64 fp32 weight-gradient
 sums and the weight blocks across each 2,048-row split: 98-255 registers, one
 CTA per SM, a serial tile loop (the first H200 run: 6 % of the copy bandwidth).
 Here the per-row work carries nothing from one tile to the next but the next
-tile's loads, and the weight gradients go to the split-K tensor-core GEMM
+tiles' loads, and the weight gradients go to the split-K tensor-core GEMM
 (ntconv_wgrad._weight_grad_kernel) over a z or dy written once in the
 parameters' dtype:
 
-* ``_project_stream_kernel`` (forward): y = o · w_outᵀ + b_out per
-  (rows, heads, dims) tile (ntconv_project.project, the tiles the backward
-  recomputes y with), what the receiver reduction reads stored (plain: y; gated:
-  the value halves and the gates of the same tile);
-* ``_dy_stream_kernel`` (backward, SPLIT_MODES with do fused): y recomputed from
-  o as above, dy by design.md §9's rules (the functions of ntconv_grad) stored in
-  the parameters' dtype for the w_out gradient, do = dy · w_out stored;
-* ``_du_stream_kernel`` (backward, C <= 64): u gathered as the prologue does,
-  z = GELU(u) · multiplier stored in the parameters' dtype for the w_qkv
-  gradient, du = (dqkv · w_qkv) · dz/du stored, and d_centre's per-segment sums
-  of the fp32 du tile by a segmented scan over its rows (no 0/1 product: a
-  segment's NaN stays in it by construction), crossing segments through the
-  tile's two scratch slots and ntconv_gemm._centre_fixup_kernel as before.
+* ``_project_stream_kernel`` (forward): y = o · w_outᵀ + b_out head by head,
+  what the receiver reduction reads stored (plain: y; gated: the value halves
+  and the gates of the same tile), with the products the backward recomputes
+  y with;
+* ``_dy_stream_kernel`` (backward, STREAM_MODES): y recomputed from o head by
+  head, dy by design.md §9's rules stored in the parameters' dtype for the
+  w_out gradient, do = dy · w_out stored;
+* ``_du_stream_kernel`` (backward, C <= 64, no edge features): u gathered as
+  the prologue does, z = GELU(u) · multiplier stored in the parameters' dtype
+  for the w_qkv gradient, du = (dqkv · w_qkv) · dz/du stored; d_centre is the
+  segment reduction of du (ntconv_reduce.segment_sum: a fused segmented scan
+  took 90 more registers).
 
-Every kernel runs STREAM_WARPS = 4 warps a program; a program walks STREAM_ROWS
-consecutive rows tile by tile with a two-deep software pipeline: at tile i it
-issues tile i+1's gathers (through indices loaded at tile i-1) and contiguous
-rows, and tile i+2's indices, before tile i's math, so a dependent load chain is
-never waited on inside a tile.  The weight blocks are read per tile (L1 hits,
-never held across tiles: held, they took 16-32 registers each).  No atomics; d_centre's
-writes are those of _du_kernel (a whole segment's sum by its only writer, the
-crossing ones summed in tile order by the fix-up).
+Every kernel runs STREAM_WARPS = 4 warps a program under a register cap of 96
+on sm_90 (STREAM_MAX_REGISTERS, no spills: 5 CTAs of 4 warps per SM); a program
+walks STREAM_ROWS consecutive rows tile by tile and issues the loads of later
+tiles before the current tile's math: o two tiles ahead and the receivers one
+tile ahead (message gradient, projection: by hand), dq, dk, dv one tile ahead
+(input gradients: the compiler's cp.async pipeline, 2 stages) with the gathered
+node rows one tile ahead and their indices two.  w_qkv's blocks are read once
+per program (kept in shared memory as the products' operands); w_out's per head
+and tile (L1: the head loop, a runtime loop, keeps one head's tiles live).  No
+transposed or fp32 (FMA) products, no cross-tile sums: the sources of the
+recompute kernels' shared-memory traffic.  No atomics.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -44,8 +45,9 @@ from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, INV_SQRT_2P
 from nt_kernels.backends.triton.ntconv_reduce import segment_sum
 from nt_kernels.backends.triton.ntconv_grad import GRAD_GATED_SUM, GRAD_MEAN, GRAD_SUM
 
-__all__ = ["DU_STREAM_ROWS", "STREAM_E", "STREAM_ROWS", "DU_STAGES", "MESSAGE_STAGES", "STREAM_WARPS", "CAP_MIN_ARCH", "STREAM_MAX_REGISTERS", "du_stream", "du_stream_ok",
-           "dy_stream", "project_stream", "stream_maxnreg", "stream_tiles", "stream_width"]
+__all__ = ["CAP_MIN_ARCH", "DU_STAGES", "DU_STREAM_ROWS", "MESSAGE_STAGES", "STREAM_E", "STREAM_MAX_REGISTERS",
+           "STREAM_MODES", "STREAM_ROWS", "STREAM_WARPS", "du_stream", "du_stream_ok", "dy_stream", "project_stream",
+           "stream_maxnreg", "stream_tiles", "stream_width"]
 
 STREAM_WARPS = 4      # warps per program of every streaming kernel (the occupancy gate's 4 warps)
 # Software pipelining: the input gradients' dq / dk / dv tiles by the compiler (cp.async into shared memory, 2
