@@ -104,12 +104,12 @@ SMS = 132            # H100 SXM
 LATENCY = 1.0e-6     # s, DRAM latency under load: 3.0 TB/s x 1 us / 132 SMs = 23 KB per SM in flight to stream
 # kernel -> (resident CTAs per SM, rows per tile, waits per tile, what is issued before the first wait)
 LATENCY_MODEL = {
-    "prologue": (3, 32, 2, "a tile's indices, then its gathered node rows (no prefetch)"),
-    "rows_gemm": (2, 32, 0, "2 cp.async stages of 32-column K steps of A and of W"),
-    "gate": (4, 16, 1, "a tile of gate halves"),
+    "prologue": (7, 32, 2, "a tile's indices, then its gathered node rows (no prefetch)"),
+    "rows_gemm": (4, 32, 0, "2 cp.async stages of 32-column K steps of A and of W"),
+    "gate": (7, 16, 1, "a tile of gate halves"),
     "reduce": (3, 64, 2, "an item's bounds, then its rows"),
     "message_grad": (6, 16, 2, "a tile's y and receivers, then g gathered"),
-    "weight_grad": (4, 32, 0, "2 cp.async stages of A and B rows"),
+    "weight_grad": (7, 32, 0, "2 cp.async stages of A and B rows"),
     "du": (2, 32, 1, "2 cp.async stages of 32-column K steps of dq, dk, dv, then dz/du"),
     "message_grad_split": (1, 16, 2, "a tile's o and receivers, then g (serial tile loop, one CTA)"),
     "input_grad_split": (1, 32, 2, "a tile's indices, then its gathers and dq, dk, dv (serial tile loop, one CTA)"),
@@ -194,11 +194,14 @@ def kernels(rows, nodes, c, c_out, heads, edge_dim, node_size, param_size, inter
                  (c * s + index + c * s + c * s) * r + 2 * splits * c_out * (c + 1) * 4, 3 * 2 * r * c * c_out, "",
                  (c * s + index + c * s) * r, "message_grad_split", c * s + index + c * s)
                 ] + att_bwd + [
-                # the prologue's gathers again, dqkv read once, du written, d_centre, dW_qkv / db_qkv partials
-                ("bwd", "_input_grad_split_kernel: z, dz/du again, du, d_centre, dW_qkv + combine",
-                 gathers + (3 * c * s + c * i) * r + 2 * nodes * c * 4 + 2 * splits * 3 * c * (c + 1) * 4,
-                 2 * 2 * r * 3 * c * c + 2 * r * 32 * c + 2 * r * edge_dim * c, "", gathers + 3 * c * s * r,
-                 "input_grad_split", gather_row + 3 * c * s)]
+                # the prologue's gathers again, dqkv read once, du written, dW_qkv / db_qkv partials (d_centre: the
+                # segment reduction of du since issue 40: the fused tile sums spilled)
+                ("bwd", "_input_grad_split_kernel: z, dz/du again, du, dW_qkv + combine",
+                 gathers + (3 * c * s + c * i) * r + 2 * splits * 3 * c * (c + 1) * 4,
+                 2 * 2 * r * 3 * c * c + 2 * r * edge_dim * c, "", gathers + 3 * c * s * r, "input_grad_split",
+                 gather_row + 3 * c * s),
+                ("bwd", "_reduce_kernel: d_centre (segment sums of du)", c * i * r + 2 * nodes * c * 4, 0, "",
+                 c * i * r, "reduce", c * i)]
     elif stream:
         out += [("bwd", "_prologue_kernel", prologue, prologue_flops, "", gathers, "prologue", gather_row)]
         out += att_again + [

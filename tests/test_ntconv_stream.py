@@ -199,3 +199,39 @@ def test_stream_same_seed_is_bitwise_reproducible(dtype, monkeypatch):
     b = run_triton(case, seed=3, **kw)
     assert torch.equal(a[0], b[0]) and all(torch.equal(a[3][n], b[3][n]) for n in a[3])
     assert not torch.equal(run_triton(case, seed=4, backward=False, **kw)[0], a[0])
+
+
+# ---------------------------------------------------------------- occupancy gates of the compile checks
+@pytest.mark.parametrize("registers, shared_kb, warps, ctas, limit", [
+    (255, 58.4, 8, 1, "registers"),  # _input_grad_split_kernel
+    (101, 41.1, 16, 1, "registers"),  # _message_grad_split_kernel
+    (72, 16.4, 4, 7, "registers"),  # _prologue_kernel
+    (116, 33.3, 8, 2, "registers"),  # nt_kernels::row_kernel
+    (152, 8.2, 4, 3, "registers"),  # _fwd_multi_kernel
+    (119, 12.3, 4, 4, "registers"),  # _bwd_dq_kernel
+    (94, 8.2, 8, 2, "registers"),  # _reduce_kernel
+    (40, 10.2, 8, 6, "registers"),  # _message_grad_kernel
+    (255, 12.3, 4, 2, "registers"),  # _du_kernel
+    (168, 188.6, 12, 1, "registers"),  # cuBLAS's nvjet GEMM (its shared memory allows 1 as well)
+])
+def test_occupancy_matches_the_h200_profile(registers, shared_kb, warps, ctas, limit):
+    """nt_kernels.backends.triton.occupancy gives the CTAs per SM, and the limiting resource, that ncu reported
+    for the kernels of the first H200 profile (docs/runs/h200-2026-11-27b-ncu.md, "limit: registers")."""
+    from nt_kernels.backends.triton.occupancy import occupancy
+
+    occ = occupancy(90, registers, int(shared_kb * 1024), warps)
+    assert (occ.ctas, occ.warps) == (ctas, ctas * warps)
+    assert occ.limit == limit or occ.ctas == 1
+
+
+def test_occupancy_gates():
+    """sm_90 only: spills fail; fewer than 8 resident warps fail a kernel with tl.dot, fewer than 16 one without;
+    a streaming kernel fails above 96 registers or under 4 CTAs of 4 warps."""
+    from nt_kernels.backends.triton.occupancy import gate
+
+    assert gate(90, 255, 0, 58 * 1024, 8, True) == []  # 1 CTA of 8 warps with tl.dot: 8 warps
+    assert gate(90, 255, 0, 1024, 8, False)  # ... without: under 16
+    assert gate(90, 96, 0, 34 * 1024, 4, True, streaming=True) == []  # 5 CTAs of 4 warps
+    assert any("registers" in g for g in gate(90, 97, 0, 34 * 1024, 4, True, streaming=True))
+    assert gate(90, 64, 0, 1024, 8, True, streaming=True)  # CTAs of 8 warps
+    assert gate(90, 64, 40, 1024, 4, True) and gate(89, 255, 40, 1024, 8, False) == []

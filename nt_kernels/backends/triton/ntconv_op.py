@@ -40,7 +40,11 @@ gates, the message gradient from o, the one-pass input gradients; y, dy, z and
 dz/du never stored) are opt-in: ``NT_KERNELS_NTCONV_RECOMPUTE=1``.  On their
 first GPU run (one H200, docs/results.md) they used 0.68x the stored path's peak
 memory but made the tolokers step 7 % slower, so by default the op stores y, dy,
-z and dz/du everywhere (the stored path).
+z and dz/du everywhere (the stored path).  A third design, also opt-in
+(``NT_KERNELS_NTCONV_RECOMPUTE=stream``, issue 40; 16-bit parameters on any
+device): the streaming kernels of ntconv_stream.py, which recompute y and z
+per tile with nothing carried across tiles and store dy and z once for the
+split-K weight gradients.
 
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
