@@ -226,7 +226,7 @@ def test_gpu_perf_dry_run(tmp_path):
                                               "results.tar.gz"}
     doc = json.loads((out / "perf.json").read_text())
     assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {
-        "fused": "ok", "fused:recompute": "ok", "unfused": "ok"}
+        "fused": "ok", "fused:recompute": "ok", "fused:stream": "ok", "unfused": "ok"}
     assert doc["steps"]["compiles"]["steps"] == 2 and doc["steps"]["cuda_graph"] == {"skipped": "needs CUDA"}
     assert all(len(v["top_kernels"]) == 15 for v in doc["layer"]["variants"])
     assert doc["op_exact"]["backends"]["fused"]["status"] == "ok"
