@@ -42,8 +42,8 @@ import triton.language as tl
 from nt_kernels.backends.triton.common import cast, device_arch, mm
 from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, INV_SQRT_2PI, SQRT1_2, block_n, call_seed,
                                                     dropout_keep, gelu, gelu_grad)
-from nt_kernels.backends.triton.ntconv_reduce import segment_sum
 from nt_kernels.backends.triton.ntconv_grad import GRAD_GATED_SUM, GRAD_MEAN, GRAD_SUM
+from nt_kernels.backends.triton.ntconv_reduce import segment_sum
 
 __all__ = ["CAP_MIN_ARCH", "DU_STAGES", "DU_STREAM_ROWS", "MESSAGE_STAGES", "STREAM_E", "STREAM_MAX_REGISTERS",
            "STREAM_MODES", "STREAM_ROWS", "STREAM_WARPS", "du_stream", "du_stream_ok", "dy_stream", "project_stream",
