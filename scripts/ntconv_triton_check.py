@@ -10,10 +10,21 @@ ptxas), and prints per architecture and launch: whether it compiled, its
 shared memory per block against the architecture's limit, and its registers
 and spill stores from ``ptxas -v`` (unless ``--no-spills``).
 
-A launch fails the check when it does not compile or (for a kernel launched
-with the plan's tiles, or the first config of an autotuned one) does not fit
-the shared memory, or spills registers (an autotuned kernel: when every
-config that fits spills).  Exit status 1 on failure.  ``make triton-check``
+Per launch (a kernel launched with the plan's tiles, or the first config of an
+autotuned one: what runs without NT_KERNELS_TRITON_AUTOTUNE) it prints the
+occupancy that follows on that architecture (nt_kernels/backends/triton/
+occupancy.py): warps per CTA, resident CTAs and warps per SM and what limits
+them, whether the kernel has a ``tl.dot``, and the shared-memory instructions
+and barriers of its PTX (static counts: a proxy for the round trips through
+shared memory and the barriers per tile).
+
+A launch fails the check when it does not compile or does not fit the shared
+memory, or spills registers (an autotuned kernel: when its first config does
+not fit or every config that fits spills), or, on sm_90, misses an occupancy
+gate of issue 40 (``occupancy.gate``): at least 16 resident warps per SM for a
+kernel without ``tl.dot``, 8 for one with, and for the per-row streaming
+kernels of the backward (``Spec.streaming``) at most 96 registers and at least
+4 CTAs of 4 warps per SM.  Exit status 1 on failure.  ``make triton-check``
 runs it after scripts/triton_check.py.
 
     python scripts/ntconv_triton_check.py                       # sm_80, 89, 90; fp32 + bf16
@@ -27,6 +38,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import NamedTuple
 from concurrent.futures import ProcessPoolExecutor
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -40,6 +52,8 @@ from triton.backends.nvidia import compiler as nvidia_compiler  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nt_kernels.backends.triton.ntconv_specs import compile_specs, launches  # noqa: E402
+from nt_kernels.backends.triton.ntconv_stream import CAP_MIN_ARCH  # noqa: E402
+from nt_kernels.backends.triton.occupancy import gate, occupancy  # noqa: E402
 
 # Shared memory per block (opt-in maximum) by compute capability, bytes.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -59,44 +73,90 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return regs, sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", out))
 
 
-def compile_one(job) -> tuple:
-    """(arch, dtype, spec name, launch index, autotuned, shared bytes or None, registers, spills, error)."""
+def ptx_counts(ptx: str) -> tuple[int, int]:
+    """(shared-memory instructions, barriers) in the PTX: ld/st.shared, ldmatrix/stmatrix, and bar/barrier.sync."""
+    shared = len(re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.shared|^\s*(?:@!?%p\d+\s+)?(?:ldmatrix|stmatrix)", ptx,
+                            re.MULTILINE))
+    return shared, len(re.findall(r"^\s*(?:bar|barrier)\.sync", ptx, re.MULTILINE))
+
+
+class Row(NamedTuple):
+    arch: int
+    dtype: str
+    name: str
+    index: int
+    autotuned: bool
+    streaming: bool
+    warps: int
+    shared: int | None   # bytes per CTA; None: did not compile
+    regs: int
+    spills: int
+    dot: bool
+    smem_ops: int
+    bars: int
+    error: str
+
+
+def compile_one(job) -> Row:
+    """One launch compiled for one architecture."""
     arch, dtype, spec_name, index, spills_too = job
     spec = next(s for s in compile_specs(dtype) if s.name == spec_name)
     fn, constexprs, options = launches(spec)[index]
+    if "maxnreg" in options and arch < CAP_MIN_ARCH:  # the streaming kernels' cap: sm_90 and newer (ntconv_stream)
+        options.pop("maxnreg")
     signature = {arg: "constexpr" if arg in constexprs else spec.types[arg] for arg in fn.arg_names}
-    head = (arch, dtype, spec_name, index, spec.options is None)
+    # Pointers 16-byte aligned, as the runtime specialises them (torch's allocations), except those the kernel
+    # leaves unspecialised (do_not_specialize_on_alignment): the loads vectorise as they will on the GPU.
+    unaligned = set(getattr(fn, "do_not_specialize_on_alignment", None) or ())
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if signature[arg].startswith("*") and arg not in unaligned}
+    head = (arch, dtype, spec_name, index, spec.options is None, spec.streaming, options["num_warps"])
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                                   options=options)
         regs, spills = ptxas_report(compiled.asm["ptx"], arch) if spills_too else (0, 0)
-        return (*head, compiled.metadata.shared, regs, spills, "")
+        return Row(*head, compiled.metadata.shared, regs, spills, "tt.dot" in compiled.asm["ttir"],
+                   *ptx_counts(compiled.asm["ptx"]), "")
     except Exception as exc:  # a compile failure is a check failure, reported with its message
-        return (*head, None, 0, 0, f"{type(exc).__name__}: {exc}"[:300])
+        return Row(*head, None, 0, 0, False, 0, 0, f"{type(exc).__name__}: {exc}"[:300])
 
 
-def summarize(arch: int, rows: list, spills: bool) -> bool:
-    """Prints one architecture's table (one line per spec); True when a spec fails."""
+def summarize(arch: int, rows: list[Row], spills: bool) -> bool:
+    """Prints one architecture's table (one line per spec: its launched config); True when a spec fails."""
     limit, failed = SHARED_LIMIT[arch], False
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, list[Row]] = {}
     for row in rows:
-        groups.setdefault(row[1:3], []).append(row)
-    print(f"sm_{arch}, shared memory limit {limit} B per block; {len(rows)} compiles")
-    print(f"{'dtype':<5} {'launch':<30} {'compiled':>8} {'fit':>4} {'first':>5} {'no spill':>8} {'max smem':>9} "
-          f"{'regs':>5}")
+        groups.setdefault((row.dtype, row.name), []).append(row)
+    print(f"sm_{arch}, shared memory limit {limit} B per block; {len(rows)} compiles"
+          f"{'; gated: occupancy.gate' if arch == 90 else ''}")
+    print(f"{'dtype':<5} {'launch':<34} {'configs':>7} {'warps':>5} {'regs':>5} {'spill':>5} {'smem':>7} "
+          f"{'CTA/SM':>6} {'warps/SM':>8} {'limit':<9} {'dot':>3} {'smem ops':>8} {'bars':>4}")
     for (dtype, name), group in groups.items():
-        errors = [r for r in group if r[5] is None]
-        fit = [r for r in group if r[5] is not None and r[5] <= limit]
-        clean = [r for r in fit if r[7] == 0]
-        first_fits = any(r[3] == 0 for r in fit)
-        bad = bool(errors) or not first_fits or (spills and not clean)
-        failed |= bad
-        print(f"{dtype:<5} {name:<30} {len(group) - len(errors):>4}/{len(group):<3} {len(fit):>4} "
-              f"{'yes' if first_fits else 'NO':>5} {len(clean) if spills else '-':>8} "
-              f"{max((r[5] for r in group if r[5] is not None), default=0):>9} "
-              f"{max((r[6] for r in clean), default=0) if spills else '-':>5}{'  FAIL' if bad else ''}")
-        for r in errors:
-            print(f"    launch {r[3]}: {r[8]}")
+        errors = [r for r in group if r.shared is None]
+        fit = [r for r in group if r.shared is not None and r.shared <= limit]
+        clean = [r for r in fit if r.spills == 0]
+        first = next((r for r in group if r.index == 0), group[0])
+        first_fits = first in fit
+        problems = [f"launch {r.index}: {r.error}" for r in errors]
+        if not first_fits and not errors:
+            problems.append("does not fit")
+        if spills and not clean:
+            problems.append("spills")
+        if first_fits and spills:  # the occupancy of the launched config (spills are judged above)
+            problems += gate(arch, first.regs, 0, first.shared, first.warps, first.dot, first.streaming)
+        failed |= bool(problems)
+        if first.shared is None:
+            occ_text = f"{'-':>6} {'-':>8} {'-':<9}"
+        else:
+            occ = occupancy(arch, first.regs, first.shared, first.warps) if spills else None
+            occ_text = f"{occ.ctas:>6} {occ.warps:>8} {occ.limit:<9}" if occ else f"{'-':>6} {'-':>8} {'-':<9}"
+        configs = f"{len(clean) if spills else len(fit)}/{len(group)}"
+        print(f"{dtype:<5} {name + (' *' if first.streaming else ''):<34} {configs:>7} {first.warps:>5} "
+              f"{first.regs if spills else '-':>5} {first.spills if spills else '-':>5} "
+              f"{first.shared if first.shared is not None else '-':>7} {occ_text} {'yes' if first.dot else 'no':>3} "
+              f"{first.smem_ops:>8} {first.bars:>4}{'  FAIL: ' + '; '.join(problems) if problems else ''}")
+    print("configs: spill-free (--no-spills: fitting) configs of all; the other columns are the launched config's "
+          "(an autotuned kernel's first); * streaming kernel")
     return failed
 
 
@@ -107,7 +167,8 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp32,bf16", help="operand dtypes among fp32, bf16, fp16")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-spills", dest="spills", action="store_false",
-                        help="skip ptxas -v (registers and spills): about half the time")
+                        help="skip ptxas -v (registers, spills and the occupancy gates): about half the time")
+    parser.add_argument("--only", default="", help="compile only the launches whose name matches this regex")
     args = parser.parse_args()
     archs = [int(a) for a in args.arch.split(",")]
     for arch in archs:
@@ -115,7 +176,8 @@ def main() -> int:
             parser.error(f"--arch {arch}: choose among {', '.join(map(str, sorted(SHARED_LIMIT)))}")
     dtypes = args.dtypes.split(",")
     jobs = [(arch, dtype, spec.name, i, args.spills) for arch in archs for dtype in dtypes
-            for spec in compile_specs(dtype) if arch >= spec.min_arch for i in range(len(launches(spec)))]
+            for spec in compile_specs(dtype) if arch >= spec.min_arch and re.search(args.only, spec.name)
+            for i in range(len(launches(spec)))]
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(compile_one, jobs))
     failed = False

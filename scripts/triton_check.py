@@ -6,7 +6,8 @@ exactly as the launchers would launch them (``fwd_spec`` / ``bwd_spec``:
 kernel, constexprs, warps, stages; pointer arguments 16-byte aligned as the
 runtime specialises them, except those the kernel leaves unspecialised,
 ``do_not_specialize_on_alignment``), and reads each compile's shared memory per block
-and, from ``ptxas -v``, its registers and spill stores.
+and, from ``ptxas -v``, its registers and spill stores, and prints the
+resident CTAs and warps per SM that follow (issue 40).
 
 Two parts:
 
@@ -57,6 +58,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nt_kernels.backends.triton import configs  # noqa: E402
 from nt_kernels.backends.triton.common import packed_classes  # noqa: E402
+from nt_kernels.backends.triton.occupancy import gate, occupancy  # noqa: E402
 from nt_kernels.backends.triton.softmax_bwd import bwd_spec  # noqa: E402
 from nt_kernels.backends.triton.softmax_fwd import fwd_spec  # noqa: E402
 
@@ -115,9 +117,10 @@ def compile_one(job):
                                       target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
         regs, spills = ptxas_report(log.getvalue())
-        return job, compiled.metadata.shared, regs, spills, launched(spec)
+        return (job, compiled.metadata.shared, regs, spills, launched(spec), spec.num_warps,
+                "tt.dot" in compiled.asm["ttir"])
     except Exception as exc:  # a compile failure is a check failure, reported with its message
-        return job, None, 0, 0, f"error {type(exc).__name__}: {exc}"[:300]
+        return job, None, 0, 0, f"error {type(exc).__name__}: {exc}"[:300], 0, False
 
 
 def launched(spec) -> str:
@@ -161,7 +164,9 @@ def report(rows: list) -> bool:
     """Print one line per compile; True when a table entry or a launch config fails.
 
     Table entries and every launch of the "heads" kernel must fit shared
-    memory and not spill.  The per-head packed kernel and the multi-tile
+    memory and not spill; every launch (not a tuner candidate) must pass the
+    occupancy gate on sm_90 (nt_kernels/backends/triton/occupancy.py: at least
+    8 resident warps per SM for a kernel with ``tl.dot``, 16 without).  The per-head packed kernel and the multi-tile
     kernels (unchanged since before the config table) spill registers in some
     settings under their heuristic config (the pinned one of the H100 run); such
     a launch is reported ("spills") without failing, and never written as a
@@ -169,23 +174,28 @@ def report(rows: list) -> bool:
     """
     failed, warned = False, 0
     print(f"{'arch':<6} {'kernel':<11} {'dtype':<5} {'D':>4} {'size':<5} {'config':<12} {'runs':<20} {'smem':>7} "
-          f"{'regs':>5} {'spill':>5}  params")
-    for job, shared, regs, spills, what in sorted(rows, key=lambda r: r[0][:7] + (r[0][8],)):
+          f"{'regs':>5} {'spill':>5} {'warps':>5} {'CTA/SM':>6} {'warps/SM':>8} {'dot':>3}  params")
+    for job, shared, regs, spills, what, warps, dot in sorted(rows, key=lambda r: r[0][:7] + (r[0][8],)):
         arch, kernel, dtype, head_dim, _, _, tile, config, label = job
         error = shared is None
         too_big = not error and shared > SHARED_LIMIT[arch]
+        occ = None if error or too_big else occupancy(arch, regs, shared, warps)
+        gates = [] if occ is None else gate(arch, regs, 0, shared, warps, dot)  # spills: judged below
         if label.startswith("candidate"):
             bad, note = error, "  (does not fit)" if too_big else ("  (spills)" if spills else "")
         elif label == "heuristic" and not what.startswith(("fwd_heads", "bwd_heads")) and not too_big and spills:
-            bad, note = False, "  spills (kernel as before the table)"
+            bad, note = bool(gates), "  spills (kernel as before the table)" + (f"; FAIL: {'; '.join(gates)}"
+                                                                                  if gates else "")
             warned += 1
         else:
-            bad = error or too_big or spills > 0
-            note = "  FAIL" if bad else ""
+            bad = error or too_big or spills > 0 or bool(gates)
+            note = f"  FAIL{': ' + '; '.join(gates) if gates else ''}" if bad else ""
         failed |= bad
         params = ",".join(f"{k}={v}" for k, v in config.items())
+        occ_text = f"{occ.ctas:>6} {occ.warps:>8}" if occ else f"{'-':>6} {'-':>8}"
         print(f"sm_{arch:<3} {kernel:<11} {dtype:<5} {head_dim:>4} {size_of(kernel, tile):<5} {label:<12} "
-              f"{'-' if error else what:<20} {'-' if error else shared:>7} {regs:>5} {spills:>5}  {params}{note}")
+              f"{'-' if error else what:<20} {'-' if error else shared:>7} {regs:>5} {spills:>5} {warps:>5} "
+              f"{occ_text} {'yes' if dot else 'no':>3}  {params}{note}")
         if error:
             print(f"    {what}")
     if warned:

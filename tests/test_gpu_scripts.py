@@ -227,7 +227,7 @@ def test_gpu_perf_dry_run(tmp_path):
                                               "results.tar.gz"}
     doc = json.loads((out / "perf.json").read_text())
     assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {
-        "fused": "ok", "fused:recompute": "ok", "unfused": "ok"}
+        "fused": "ok", "fused:recompute": "ok", "fused:stream": "ok", "unfused": "ok"}
     assert doc["steps"]["compiles"]["steps"] == 2 and doc["steps"]["cuda_graph"] == {"skipped": "needs CUDA"}
     assert all(len(v["top_kernels"]) == 15 for v in doc["layer"]["variants"])
     assert doc["op_exact"]["backends"]["fused"]["status"] == "ok"
@@ -280,3 +280,17 @@ def test_bytes_model_counts_tolokers_and_docs_quote_it():
     assert f"| | **total** | {' | '.join(totals)} |" in page
     floor = sum(b for _, _, b in m.floor(m.Classes().rows, 60, 2, 2, att))
     assert f"**{floor / 1e9:.2f} GB**" in page
+    # issue 40: the streaming design's bytes and each design's layer bound (the larger of bytes and latency per
+    # kernel) as the page's table of the three designs quotes them
+    bounds = []
+    for stored, stream in ((True, False), (False, False), (False, True)):
+        rows = m.kernels(m.Classes().rows, m.Classes().nodes, 60, 120, 2, 0, 2, 2, 2, True, True, att,
+                         sm90=not (stored or stream), stream=stream)
+        if stream:
+            assert f"**{sum(r[2] for r in rows) / 1e9:.2f} GB**" in page
+        bound = 0.0
+        for r in rows:
+            t = max(r[2] / m.BANDWIDTH, r[3] / m.TENSOR_FLOPS)
+            bound += t if r[6] is None else max(t, m.latency_time(r[6], m.Classes().rows, r[5], r[7])[1])
+        bounds.append(f"{bound * 1e3:.2f} ms")
+    assert f"| layer bound (larger per kernel) | {' | '.join(bounds)} |" in page

@@ -364,6 +364,21 @@ TRITON_NTCONV_TESTS = _tests(
      _every_dtype(lambda d: (DTYPES[d],))),
     ("nan", "test_ntconv_triton", "test_nan_stays_in_its_neighbourhood",
      _every_dtype(lambda d: ("weighted_mean", "receiver", DTYPES[d]))))
+# The streaming design (NT_KERNELS_NTCONV_RECOMPUTE=stream, the path's env): its kernels in every dtype (forced onto
+# fp32 operands), with edge features (the input gradients stored) and without (all three streaming kernels).
+TRITON_STREAM_TESTS = _tests(
+    ("accuracy", "test_ntconv_stream", "stream_float32_accuracy",
+     {"float32": [("gated_sum", "receiver", True), ("sum", "receiver", False)]}),
+    ("accuracy", "test_ntconv_stream", "test_stream_design_bf16_every_aggregator",
+     {"bfloat16": [("gated_sum", "receiver", True), ("mean", "receiver", False)]}),
+    ("accuracy", "test_ntconv_triton", "test_half_precision_error_at_most_twice_pytorchs",
+     {"float16": [("gated_sum", "receiver", F16, None)]}),
+    ("determinism", "test_ntconv_stream", "test_stream_same_seed_is_bitwise_reproducible",
+     _every_dtype(lambda d: (DTYPES[d],))),
+    ("nan", "test_ntconv_stream", "test_stream_nan_gradient_stays_in_its_neighbourhood",
+     _every_dtype(lambda d: (DTYPES[d],))),
+    ("nan", "test_ntconv_triton", "test_nan_stays_in_its_neighbourhood",
+     _every_dtype(lambda d: ("gated_sum", "receiver", DTYPES[d]))))
 CUDA_PERFORMER_TESTS = {impl: _tests(
     ("accuracy", "test_performer_cuda", "test_forward_and_gradients_match_reference",
      _every_dtype(lambda d: (impl, d, 23, 72))),
@@ -400,7 +415,9 @@ def _paths():
             KernelPath("cpu ntconv", lambda mp, inj, memo: patch_ntconv_op(mp, inj), NTCONV_GRADS, NTCONV_TESTS,
                        NTCONV_CHECK, ntconv_dims),
             KernelPath("triton exact (interpreter)", patch_triton_exact, ATTENTION_GRADS, TRITON_EXACT_TESTS),
-            KernelPath("triton ntconv (interpreter)", patch_triton_ntconv, NTCONV_GRADS, TRITON_NTCONV_TESTS)]
+            KernelPath("triton ntconv (interpreter)", patch_triton_ntconv, NTCONV_GRADS, TRITON_NTCONV_TESTS),
+            KernelPath("triton ntconv stream (interpreter)", patch_triton_ntconv, NTCONV_GRADS, TRITON_STREAM_TESTS,
+                       env={"NT_KERNELS_NTCONV_RECOMPUTE": "stream"})]
     return [
         KernelPath("cuda exact (triton)", lambda mp, inj, memo: patch_attention(mp, inj, "exact"), ATTENTION_GRADS,
                    TRITON_EXACT_TESTS, exact_check, DIMS),
@@ -408,7 +425,9 @@ def _paths():
                      ATTENTION_GRADS, CUDA_PERFORMER_TESTS[impl], performer_check, DIMS,
                      {"NT_KERNELS_PERFORMER": impl}) for impl in ("simt", "tc")],
         KernelPath("cuda ntconv (triton)", lambda mp, inj, memo: patch_ntconv_op(mp, inj), NTCONV_GRADS,
-                   TRITON_NTCONV_TESTS, NTCONV_CHECK, ntconv_dims)]
+                   TRITON_NTCONV_TESTS, NTCONV_CHECK, ntconv_dims),
+        KernelPath("cuda ntconv stream (triton)", lambda mp, inj, memo: patch_ntconv_op(mp, inj), NTCONV_GRADS,
+                   TRITON_STREAM_TESTS, NTCONV_CHECK, ntconv_dims, {"NT_KERNELS_NTCONV_RECOMPUTE": "stream"})]
 
 
 PATHS = _paths()

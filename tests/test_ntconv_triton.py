@@ -1013,12 +1013,14 @@ def test_check_row_of_the_h200_run_passes_through_the_triton_kernels():
 
 
 def _spec_kernels(dtype):
-    """The kernels of the fused layer launched with ``dtype`` operands (the sm_90 paths: 16-bit only)."""
+    """The kernels of the fused layer launched with ``dtype`` operands (the sm_90 paths and the streaming
+    design: 16-bit only)."""
     from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_project, ntconv_reduce,
-                                            ntconv_wgrad)
+                                            ntconv_stream, ntconv_wgrad)
 
     sm90 = {ntconv_grad._message_grad_split_kernel, ntconv_igrad._input_grad_split_kernel,
-            ntconv_project._project_kernel}
+            ntconv_project._project_kernel, ntconv_stream._project_stream_kernel, ntconv_stream._dy_stream_kernel,
+            ntconv_stream._du_stream_kernel}
     split = set() if dtype == "fp32" else sm90
     return split | {ntconv_gemm._prologue_kernel, ntconv_gemm._rows_gemm_kernel, ntconv_gemm._du_kernel,
                     ntconv_gemm._centre_fixup_kernel, ntconv_grad._message_grad_kernel,
@@ -1036,7 +1038,8 @@ def test_compile_specs_name_every_kernel_argument(dtype):
     for spec in specs:
         for fn, constexprs, options in launches(spec):
             assert sorted([*spec.types, *constexprs]) == sorted(fn.arg_names), spec.name
-            assert set(options) == {"num_warps", "num_stages"}, spec.name
+            assert {"num_warps", "num_stages"} <= set(options) <= {"num_warps", "num_stages", "maxnreg"}, spec.name
+            assert spec.streaming == ("maxnreg" in options), spec.name  # the streaming kernels' register cap
 
 
 # ------------------------------------------- segments left out of both lists

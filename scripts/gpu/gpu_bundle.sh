@@ -74,8 +74,8 @@ triton_aot() {
     --tag aot --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 7200 -- check --device cpu --kernels-only \
     --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites "$WARM_SUITES")
   # The training steps of scripts/gpu/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
-  # fused layer's default path and on its opt-in recompute path.
-  for recompute in 0 1; do
+  # fused layer's default path and on its opt-in recompute and streaming designs.
+  for recompute in 0 1 stream; do
     echo "gpu-bundle: Triton cache: layer steps (NT_KERNELS_NTCONV_RECOMPUTE=$recompute)"
     (cd "$work" && "${env[@]}" NT_KERNELS_NTCONV_RECOMPUTE=$recompute "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" \
       warm --fake-target --jobs "$jobs" --tag "aot-layer$recompute" --log "$PWD/aot.jsonl" --out-dir "$PWD" \

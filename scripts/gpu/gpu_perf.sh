@@ -16,9 +16,9 @@
 #               ahead in 8 processes (scripts/gpu/gpu_triton.py warm; powerlaw at 2M messages)
 #   1 layer     tolokers training step (released preset; GPU_PERF_LAYER_GRAPHS, e.g.
 #               tolokers,minesweeper, for more graphs), bf16 autocast, each variant of
-#               GPU_PERF_LAYER_VARIANTS (default fused,fused:recompute,unfused: the fused layer on its
-#               default and on its opt-in recompute path, and unfused; "released" is the paper's released
-#               layer, unfused with Algorithm 1's padded groups): 3 warm-up + 5 timed steps
+#               GPU_PERF_LAYER_VARIANTS (default fused,fused:recompute,fused:stream,unfused: the fused layer
+#               on its default, its opt-in recompute path and streaming design, and unfused; "released" is
+#               the paper's released layer, unfused with Algorithm 1's padded groups): 3 warm-up + 5 timed steps
 #               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
 #               each (scripts/gpu/gpu_profile.py)
 #   2 steps     the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm
@@ -52,7 +52,7 @@ source "$(dirname "$0")/gpu_common.sh"
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
 GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op,ncu}
 BUDGET=${GPU_PERF_BUDGET:-520}
-export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,unfused}
+export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,fused:stream,unfused}
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
 export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \

@@ -12,7 +12,8 @@ the variants run in this one process, one after the other.
 
 A variant may name environment switches after colons, set while it runs (the op reads both at
 every call): ``:recompute`` (``NT_KERNELS_NTCONV_RECOMPUTE=1``, the fused layer's opt-in sm_90
-recompute path) and ``:tc`` / ``:simt`` / ``:flash`` (``NT_KERNELS_PERFORMER``, the CUDA Performer kernels),
+recompute path), ``:stream`` (``NT_KERNELS_NTCONV_RECOMPUTE=stream``, its opt-in streaming design, issue 40)
+and ``:tc`` / ``:simt`` / ``:flash`` (``NT_KERNELS_PERFORMER``, the CUDA Performer kernels),
 e.g. ``--variants fused,fused:recompute,fused:recompute:tc,unfused``.
 
 On a machine without CUDA (``--device cpu``, a dry run of the GPU script) the graphs are cut
@@ -75,8 +76,9 @@ def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], floa
     return rows(kernels, key), total, rows(ops, op_key)
 
 
-SWITCHES = {"recompute": ("NT_KERNELS_NTCONV_RECOMPUTE", "1"), "tc": ("NT_KERNELS_PERFORMER", "tc"),
-            "simt": ("NT_KERNELS_PERFORMER", "simt"), "flash": ("NT_KERNELS_PERFORMER", "flash")}
+SWITCHES = {"recompute": ("NT_KERNELS_NTCONV_RECOMPUTE", "1"), "stream": ("NT_KERNELS_NTCONV_RECOMPUTE", "stream"),
+            "tc": ("NT_KERNELS_PERFORMER", "tc"), "simt": ("NT_KERNELS_PERFORMER", "simt"),
+            "flash": ("NT_KERNELS_PERFORMER", "flash")}
 
 
 @contextlib.contextmanager

@@ -13,13 +13,16 @@ tiles; per tile:
    forward's z) and dz/du = GELU'(u) · multiplier in fp32;
 2. dq, dk and dv (each BLOCK_R x BLOCK_C, the parameters' dtype);
 3. du = (Σ_part d_part · w_qkv[part]) · dz/du on tensor cores (w_qkv's three
-   blocks loaded once per program), stored in the parameters' dtype, and
-   d_centre's per-segment sums of the fp32 tile (ntconv_gemm.tile_segment_sums,
-   crossing segments through the tile's scratch slots and _centre_fixup_kernel);
+   blocks loaded once per program), stored in the parameters' dtype;
 4. dW_qkv[part] += d_partᵀ · z and db_qkv[part] += Σ_rows d_part in the
    program's fp32 registers, written once as the block's partials and summed
    in block order by ntconv_wgrad.combine (no atomics; bitwise the same run
    to run).
+
+d_centre is the segment reduction of the stored du (ntconv_reduce.segment_sum,
+as ntconv_stream does): with the tile's fused segment sums (_du_kernel's) the
+kernel spilled on sm_90 (ptxas, bf16, C = 60, aligned pointers as at run time:
+104 bytes with Triton 3.6, the GPU image's, 40 with 3.9; issue 40).
 """
 from __future__ import annotations
 
@@ -28,9 +31,9 @@ import triton
 import triton.language as tl
 
 from nt_kernels.backends.triton.common import cast
-from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, DU_ROWS, block_n, call_seed, centre_fixup,
-                                                    dropout_keep, fused_centre, gelu, gelu_grad, messages_in,
-                                                    tile_segment_sums)
+from nt_kernels.backends.triton.ntconv_gemm import (DU_MAX_CHANNELS, DU_ROWS, block_n, call_seed, dropout_keep,
+                                                    fused_centre, gelu, gelu_grad, messages_in)
+from nt_kernels.backends.triton.ntconv_reduce import segment_sum
 from nt_kernels.backends.triton.ntconv_tiles import prologue_tiles, split_k_rows
 from nt_kernels.backends.triton.ntconv_wgrad import combine, split_products, store_partial
 
@@ -48,14 +51,12 @@ def input_split_ok(channels: int, operand_bytes: int, arch: int) -> bool:
     return fused_centre(channels) and operand_bytes == 2 and arch >= INPUT_MIN_ARCH
 
 
-@triton.jit(do_not_specialize=["row0", "R", "PART", "seg0", "seed_word", "threshold"],
-            do_not_specialize_on_alignment=["d_centre"])
-def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiver, perm, seg_of_row, rowptr, dqkv,
-                             du, d_centre, scratch, partials, row0, R, PART, seg0, seed_word, seed_ptr, threshold,
-                             drop_scale, C: tl.constexpr, F: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_F: tl.constexpr,
-                             HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr, SEED_ON_DEVICE: tl.constexpr,
-                             CENTRE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
+@triton.jit(do_not_specialize=["row0", "R", "PART", "seed_word", "threshold"])
+def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiver, perm, seg_of_row, dqkv, du,
+                             partials, row0, R, PART, seed_word, seed_ptr, threshold, drop_scale, C: tl.constexpr,
+                             F: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_F: tl.constexpr, HAS_EDGE: tl.constexpr, DROPOUT: tl.constexpr,
+                             SEED_ON_DEVICE: tl.constexpr, DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     # Step 0: the three (C x C) blocks of w_qkv, loaded once; fp32 sums of dW_qkv and db_qkv per part.
     s = tl.program_id(0)
     ch = tl.arange(0, BLOCK_C)
@@ -95,9 +96,6 @@ def _input_grad_split_kernel(centre, recv_term, edge_attr, w_edge, w_qkv, receiv
         acc_v, bias_v, du_acc = split_products(acc_v, bias_v, du_acc, d_v, w_v, z, DOT_PREC, BF16_EMU)
         du_acc *= gelu_grad(u) * scale
         tl.store(du + offs, cast(du_acc, du.dtype.element_ty, BF16_EMU), mask=mask)
-        if CENTRE:  # d_centre from the same fp32 tile (tile index r0 / BLOCK_R, as _du_kernel's program)
-            tile_segment_sums(du_acc, seg_of_row, rowptr, d_centre, scratch, r0 // BLOCK_R, r, valid, ch, ch_valid,
-                              seg0, C, BLOCK_R, BF16_EMU)
     # Step 4: the block's partial sums of dW_qkv and db_qkv, written once.
     base = partials + s.to(tl.int64) * (3 * C * (C + 1))
     store_partial(base, acc_q, bias_q, ch, ch_valid, ch, ch_valid, C)
@@ -119,19 +117,15 @@ def input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, w_acc, b_acc) -> 
     if split % DU_ROWS:
         raise ValueError(f"input_grad_split: split-K blocks of {split} rows are not whole {DU_ROWS}-row tiles")
     splits = -(-rows // split)
-    centre = d_centre is not None
-    scratch = torch.empty((triton.cdiv(rows, DU_ROWS), 2, c) if centre else (1,), dtype=torch.float32,
-                          device=du.device)
     partials = torch.empty((splits, 3 * c, c + 1), dtype=torch.float32, device=du.device)
     edge = p.edge_attr is not None
     t = prologue_tiles(c, p.edge_dim, p.w_qkv.element_size())
     _input_grad_split_kernel[(splits,)](
         p.centre, p.receiver_term, p.edge_attr if edge else p.centre, p.w_edge if edge else p.centre, p.w_qkv,
-        p.receiver, p.perm, seg_of_row, chunk.rowptr, dqkv, du, d_centre if centre else du, scratch, partials,
-        chunk.row0, rows, dqkv.shape[1], chunk.seg0, p.seed_word, p.seed_cell, p.drop_threshold, p.drop_scale,
-        C=c, F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS, BLOCK_C=block_n(c, DU_MAX_CHANNELS),
-        BLOCK_F=t.block_f, HAS_EDGE=edge, DROPOUT=p.dropout > 0, SEED_ON_DEVICE=p.seed_on_device, CENTRE=centre,
-        DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=INPUT_WARPS)
-    if centre:
-        centre_fixup(scratch, d_centre, chunk, c)
+        p.receiver, p.perm, seg_of_row, dqkv, du, partials, chunk.row0, rows, dqkv.shape[1], p.seed_word,
+        p.seed_cell, p.drop_threshold, p.drop_scale, C=c, F=p.edge_dim, SPLIT_ROWS=split, BLOCK_R=DU_ROWS,
+        BLOCK_C=block_n(c, DU_MAX_CHANNELS), BLOCK_F=t.block_f, HAS_EDGE=edge, DROPOUT=p.dropout > 0,
+        SEED_ON_DEVICE=p.seed_on_device, DOT_PREC=p.dot_prec, BF16_EMU=p.bf16_emu, num_warps=INPUT_WARPS)
+    if d_centre is not None:
+        segment_sum(d_centre, du, chunk, c)
     combine(partials, w_acc, b_acc)

@@ -42,7 +42,11 @@ gates, the message gradient from o, the one-pass input gradients; y, dy, z and
 dz/du never stored) are opt-in: ``NT_KERNELS_NTCONV_RECOMPUTE=1``.  On their
 first GPU run (one H200, docs/results.md) they used 0.68x the stored path's peak
 memory but made the tolokers step 7 % slower, so by default the op stores y, dy,
-z and dz/du everywhere (the stored path).
+z and dz/du everywhere (the stored path).  A third design, also opt-in
+(``NT_KERNELS_NTCONV_RECOMPUTE=stream``, issue 40; 16-bit parameters on any
+device): the streaming kernels of ntconv_stream.py, which recompute y and z
+per tile with nothing carried across tiles and store dy and z once for the
+split-K weight gradients.
 
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
@@ -68,6 +72,7 @@ from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B
 from nt_kernels.backends.triton.ntconv_project import project_forward
 from nt_kernels.backends.triton.ntconv_reduce import (AGG_GATED, AGG_MAX, AGG_SOFTMAX, AGG_SUM, State, gate_values,
                                                       receive, segment_softmax, segment_sum)
+from nt_kernels.backends.triton.ntconv_stream import du_stream, du_stream_ok, dy_stream, project_stream, stream_width
 from nt_kernels.backends.triton.ntconv_wgrad import weight_grad
 from nt_kernels.backends.triton.softmax_bwd import softmax_bwd
 from nt_kernels.backends.triton.softmax_fwd import softmax_fwd
@@ -171,27 +176,43 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: boo
     return y, o, q, k, v, z, jac, state
 
 
-def _sm90_paths(p: Problem) -> tuple[bool, bool]:
-    """(y from o: the forward's projection and the backward's message gradient, ntconv_project.py and
-    ntconv_grad.py; z and dz/du recomputed: the one-pass input gradients, ntconv_igrad.py), each where it
-    applies to this layer, dtype and device, with NT_KERNELS_NTCONV_RECOMPUTE=1 (opt-in: slower than the stored
-    path on the first H200 run)."""
-    if os.environ.get("NT_KERNELS_NTCONV_RECOMPUTE", "0") != "1":
-        return False, False
-    size, arch = p.w_out.element_size(), device_arch(p.device)
-    return (split_width(p.heads, p.head_dim, _grad_mode(p), size, arch) > 0,
-            input_split_ok(p.channels, size, arch))
+STORED, SPLIT, STREAM = "stored", "split", "stream"
 
 
-def _project_with_gates(p: Problem, chunk, o):
-    """(y, gate) of the forward on the sm_90 path: y = o · w_outᵀ + b_out on the message gradient's tiles
-    (gated aggregators: only the value halves written, the gates from the same tiles)."""
+def _sm90_paths(p: Problem) -> tuple[str, str]:
+    """The backward's design for this layer, dtype and device: (the message gradient, the input gradients),
+    each STORED (y, dy, z and dz/du stored: the default), SPLIT (the recompute path's one-pass kernels with
+    their split-K sums, ntconv_grad._message_grad_split_kernel and ntconv_igrad.py, where they apply: sm_90,
+    16-bit parameters; NT_KERNELS_NTCONV_RECOMPUTE=1, opt-in: slower than the stored path on the first H200
+    run) or STREAM (the streaming kernels of ntconv_stream.py with the split-K weight gradients, where they
+    apply: 16-bit parameters on any device; NT_KERNELS_NTCONV_RECOMPUTE=stream, opt-in: not yet run on a GPU).  SPLIT and
+    STREAM message gradients also give the forward's y from o on their own tiles."""
+    design = os.environ.get("NT_KERNELS_NTCONV_RECOMPUTE", "0")
+    if design not in ("0", "1", STREAM):
+        raise ValueError(f"NT_KERNELS_NTCONV_RECOMPUTE={design!r}: choose 0 (stored), 1 (split) or stream")
+    size = p.w_out.element_size()
+    if design == STREAM:
+        return (STREAM if stream_width(p.heads, p.head_dim, _grad_mode(p), size) else STORED,
+                STREAM if du_stream_ok(p.channels, size, p.edge_dim if p.edge_attr is not None else 0) else STORED)
+    if design == "0":
+        return STORED, STORED
+    arch = device_arch(p.device)
+    return (SPLIT if split_width(p.heads, p.head_dim, _grad_mode(p), size, arch) > 0 else STORED,
+            SPLIT if input_split_ok(p.channels, size, arch) else STORED)
+
+
+def _project_with_gates(p: Problem, chunk, o, design: str):
+    """(y, gate) of the forward on the message gradient's tiles of ``design`` (SPLIT or STREAM):
+    y = o · w_outᵀ + b_out (gated aggregators: only the value halves written, the gates from the same tiles)."""
     y = torch.empty((chunk.rows, p.out_channels), dtype=p.dtype, device=p.device)
     gated = p.aggr in ("weighted_mean", "gated_sum")
     gate = torch.empty((chunk.rows, p.heads), dtype=torch.float32, device=p.device) if gated else None
-    project_forward(y, gate, o, p, chunk, grad_tiles(p.heads, p.head_dim),
-                    block_c=split_width(p.heads, p.head_dim, _grad_mode(p), 2, SPLIT_MIN_ARCH),
-                    num_warps=SPLIT_WARPS, sigmoid=p.aggr == "gated_sum")
+    if design == STREAM:
+        project_stream(y, gate, o, p, chunk, sigmoid=p.aggr == "gated_sum")
+    else:
+        project_forward(y, gate, o, p, chunk, grad_tiles(p.heads, p.head_dim),
+                        block_c=split_width(p.heads, p.head_dim, _grad_mode(p), 2, SPLIT_MIN_ARCH),
+                        num_warps=SPLIT_WARPS, sigmoid=p.aggr == "gated_sum")
     return y, gate
 
 
@@ -241,13 +262,14 @@ def ntconv_fwd(centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_
     p = problem("ntconv_fwd", locals())
     mode = _aggregation_mode(p)
     state = State.empty(p.num_out, p.channels, mode, torch.empty(0, dtype=p.dtype, device=p.device))
-    from_o = _sm90_paths(p)[0]
+    design = _sm90_paths(p)[0]
+    from_o = design != STORED
     for chunk in p.plan.chunks:
         seg_of_row = segment_of_rows(chunk)
         lse = _uncovered_zeros(p, (chunk.rows, p.heads), torch.float32)  # read by no later kernel
         y, o = _messages(p, chunk, seg_of_row, lse, store_z=False, project=not from_o)[:2]
         if from_o:  # y (gated: value halves) and the gates from the message gradient's tiles
-            y, gate = _project_with_gates(p, chunk, o)
+            y, gate = _project_with_gates(p, chunk, o, design)
         else:
             gate = _gates(p, chunk, y, seg_of_row)
         receive(state, y, chunk, channels=p.channels, heads=p.heads, row=p.out_channels, mode=mode,
@@ -340,16 +362,23 @@ def _du(p: Problem, chunk, du, dqkv, jac, seg_of_row, d_centre) -> None:
         segment_sum(d_centre, du, chunk, c)
 
 
-def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
+def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row, design: str) -> None:
     """Weight gradients of the prologue and the input gradients for one chunk: du = (dqkv · w_qkv) · dz/du
-    in the parameters' dtype with d_centre and, where z is not stored, dW_qkv from the same kernel
-    (ntconv_igrad.py; else ntconv_gemm._du_kernel after the split-K weight gradient; a row GEMM and a
-    segment reduction for C > DU_MAX_CHANNELS), then d_receiver_term and the edge gradients from du."""
+    in the parameters' dtype with d_centre and dW_qkv: by ``design`` (_sm90_paths) from the same kernel
+    (SPLIT, ntconv_igrad.py), by the streaming kernel, which stores z once, then the split-K weight gradient
+    (STREAM, ntconv_stream.py), or from the prologue's stored z and dz/du (STORED: the split-K weight
+    gradient, then ntconv_gemm._du_kernel; a row GEMM and a segment reduction for C > DU_MAX_CHANNELS);
+    then d_receiver_term and the edge gradients from du."""
     c, rows = p.channels, chunk.rows
     du = torch.empty((rows, c), dtype=p.dtype, device=p.device)
     d_centre = None if g.centre is None else g.centre[chunk.seg0:]
-    if z is None:  # one pass over dqkv: z and dz/du recomputed from the node terms
+    if design == SPLIT:  # one pass over dqkv: z and dz/du recomputed from the node terms
         input_grad_split(du, dqkv, p, chunk, seg_of_row, d_centre, g.w_qkv, g.b_qkv)
+    elif design == STREAM:  # z and dz/du recomputed, z stored for the split-K weight gradient
+        z = torch.empty((rows, c), dtype=p.dtype, device=p.device)
+        du_stream(du, z, dqkv, p, chunk, seg_of_row, d_centre)
+        _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c,
+                     a_part=chunk.part_rows * c, b_row=c)
     else:
         # dW_qkv += [dq | dk | dv]ᵀ z and db_qkv: the (3, R, C) gradient read as one (R, 3C) operand.
         _weight_grad(p, g.w_qkv, g.b_qkv, dqkv, z, rows=rows, m=3 * c, n=c, a_split=c,
@@ -369,28 +398,31 @@ def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row) -> None:
             g.edge_attr.index_copy_(0, p.perm[chunk.row0:chunk.row1], d_edge)
 
 
-def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads, paths: tuple[bool, bool]) -> None:
+def _backward_chunk(p: Problem, chunk, saved: Saved, g: Grads, paths: tuple[str, str]) -> None:
     """One chunk of the backward; ``paths``: _sm90_paths(p), read once per call."""
-    rows, c = chunk.rows, p.channels
+    rows, c, c_out = chunk.rows, p.channels, p.out_channels
     seg_of_row = segment_of_rows(chunk)
     # lse rows of Performer segments are never read; zeros where a row may belong to no list.
     lse = _uncovered_zeros(p, (rows, p.heads), torch.float32)
-    # Recompute steps 1-2 (and 3 unless the split kernel recomputes y from o; z and dz/du unless the input
+    # Recompute steps 1-2 (and 3 unless the message gradient recomputes y from o; z and dz/du unless the input
     # gradients recompute them), then dy from the saved state.
-    split, inputs_one_pass = paths
-    y, o, q, k, v, z, jac, state = _messages(p, chunk, seg_of_row, lse, project=not split,
-                                             store_z=not inputs_one_pass, keep_state=True)
-    if split:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
+    message, inputs = paths
+    y, o, q, k, v, z, jac, state = _messages(p, chunk, seg_of_row, lse, project=message == STORED,
+                                             store_z=inputs == STORED, keep_state=True)
+    if message == SPLIT:  # do, dW_out and db_out from o in one pass: neither y nor dy is stored
         do = torch.empty_like(o)
         message_grad_split(do, o, _grad_mode(p), p, chunk, saved, g.w_out, g.b_out)
-    else:  # dy and do = dy · w_out from the stored y, then the output projection's dW_out += dyᵀ o and db_out
-        dy, do = _message_grad(p, chunk, y, o, seg_of_row, saved)
-        c_out = p.out_channels
+    else:  # dy and do = dy · w_out (from o, or from the stored y), then dW_out += dyᵀ o and db_out
+        if message == STREAM:
+            dy, do = torch.empty((rows, c_out), dtype=p.dtype, device=p.device), torch.empty_like(o)
+            dy_stream(dy, do, o, _grad_mode(p), p, chunk, saved)
+        else:
+            dy, do = _message_grad(p, chunk, y, o, seg_of_row, saved)
         _weight_grad(p, g.w_out, g.b_out, dy, o, rows=rows, m=c_out, n=c, a_split=c_out, a_part=0, b_row=c)
     # Attention backward, then the prologue's gradients.
     dqkv = qkv_buffer(p, chunk, p.dtype, fill=not p.plan.rows_covered)
     _attention_bwd(p, chunk, *dqkv[:, :rows].unbind(0), do, q, k, v, o, lse, state)
-    _input_grads(p, chunk, g, dqkv, z, jac, seg_of_row)
+    _input_grads(p, chunk, g, dqkv, z, jac, seg_of_row, inputs)
 
 
 def ntconv_bwd(grad_out, out, lse, stats, centre, receiver_term, edge_attr, w_edge, w_qkv, b_qkv, w_out, b_out,

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from nt_kernels.backends.triton import (ntconv_gemm, ntconv_grad, ntconv_igrad, ntconv_plan, ntconv_project,
-                                        ntconv_reduce, ntconv_wgrad)
+                                        ntconv_reduce, ntconv_stream, ntconv_wgrad)
 from nt_kernels.backends.triton.ntconv_plan import prologue_tiles, weight_grad_tiles
 
 __all__ = ["LAYER_SHAPES", "Spec", "compile_specs", "launches"]
@@ -35,6 +35,7 @@ class Spec(NamedTuple):
     constexprs: dict      # launch constexprs besides the config's
     options: dict | None = None  # num_warps / num_stages of a kernel launched without autotuning
     min_arch: int = 0     # launched only on this compute capability or newer
+    streaming: bool = False  # a per-row streaming kernel: gated at <= 96 registers, >= 4 CTAs of 4 warps (sm_90)
 
 
 def launches(spec: Spec) -> list[tuple[object, dict, dict]]:
@@ -74,18 +75,14 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
                               dict(num_warps=w.num_warps, num_stages=ntconv_wgrad.NUM_STAGES)))
     if dtype != "fp32":  # the one-pass input gradients (sm_90, 16-bit parameters) at the layer shapes they serve
         igrad = dict(centre=t, recv_term=t, edge_attr=t, w_edge=t, w_qkv=t, receiver="*i64", perm="*i64",
-                     seg_of_row="*i64", rowptr="*i64", dqkv=t, du=t, d_centre="*fp32", scratch="*fp32",
-                     partials="*fp32", row0="i32", R="i32", PART="i32", seg0="i32", seed_word="i32",
-                     seed_ptr="*i64", threshold="i32", drop_scale="fp32")
-        specs += [Spec(f"input_grad_split{' + d_centre' if centre else ''} C{c} F{f}",
-                       ntconv_igrad._input_grad_split_kernel, igrad,
+                     seg_of_row="*i64", dqkv=t, du=t, partials="*fp32", row0="i32", R="i32", PART="i32",
+                     seed_word="i32", seed_ptr="*i64", threshold="i32", drop_scale="fp32")
+        specs += [Spec(f"input_grad_split C{c} F{f}", ntconv_igrad._input_grad_split_kernel, igrad,
                        dict(base, C=c, F=f, SPLIT_ROWS=ntconv_plan.split_k_rows(1 << 20),
                             BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_C=ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS),
-                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, SEED_ON_DEVICE=False,
-                            CENTRE=centre),
+                            BLOCK_F=prologue_tiles(c, f, 2).block_f, HAS_EDGE=f > 0, DROPOUT=True, SEED_ON_DEVICE=False),
                        dict(num_warps=ntconv_igrad.INPUT_WARPS, num_stages=1), ntconv_igrad.INPUT_MIN_ARCH)
-                  for c, f, _ in LAYER_SHAPES if ntconv_igrad.input_split_ok(c, 2, ntconv_igrad.INPUT_MIN_ARCH)
-                  for centre in (False, True)]
+                  for c, f, _ in LAYER_SHAPES if ntconv_igrad.input_split_ok(c, 2, ntconv_igrad.INPUT_MIN_ARCH)]
     for c in sorted({c for c, _, _ in LAYER_SHAPES if ntconv_gemm.fused_centre(c)}):
         width = ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS)
         specs += [Spec(f"du{' + d_centre' if centre else ''} C{c}", ntconv_gemm._du_kernel,
@@ -99,10 +96,58 @@ def _plan_specs(dtype: str, t: str, base: dict) -> list[Spec]:
                           dict(rowptr="*i64", part="*fp32", d_centre="*fp32"),
                           dict(C=c, BLOCK_R=ntconv_gemm.DU_ROWS, BLOCK_T=ntconv_gemm.FIXUP_TILES, BLOCK_C=width),
                           dict(num_warps=4, num_stages=1)))
+    if dtype != "fp32":  # the streaming design (16-bit parameters, every architecture)
+        specs += _stream_input_specs(t, base)
     specs += [Spec(f"combine{' bias' if bias else ''}", ntconv_wgrad._combine_kernel,
                    dict(partials="*fp32", w_acc="*fp32", b_acc="*fp32", S="i32", M="i32", N="i32"),
                    dict(HAS_BIAS=bias, BLOCK_S=ntconv_wgrad.COMBINE_SPLITS, BLOCK=ntconv_wgrad.COMBINE_BLOCK),
                    dict(num_warps=4, num_stages=2)) for bias in (False, True)]
+    return specs
+
+
+# C of the streaming input gradients (no edge features: ntconv_stream.du_stream_ok): narrow, tolokers, widest
+STREAM_INPUT_CHANNELS = (16, 60, 64)
+
+
+def _stream_input_specs(t: str, base: dict) -> list[Spec]:
+    """The streaming input gradients (ntconv_stream._du_stream_kernel, 16-bit parameters, every architecture)."""
+    types = dict(centre=t, recv_term=t, w_qkv=t, receiver="*i64", seg_of_row="*i64", dqkv=t, du=t, z_out=t,
+                 row0="i32", R="i32", PART="i32", seed_word="i32", seed_ptr="*i64", threshold="i32", drop_scale="fp32")
+    rows = ntconv_stream.DU_STREAM_ROWS
+    return [Spec(f"du_stream C{c}", ntconv_stream._du_stream_kernel, types,
+                 dict(base, C=c, TILES=ntconv_stream.STREAM_ROWS // rows, BLOCK_R=rows,
+                      BLOCK_C=ntconv_gemm.block_n(c, ntconv_gemm.DU_MAX_CHANNELS), DROPOUT=True, SEED_ON_DEVICE=False),
+                 dict(num_warps=ntconv_stream.STREAM_WARPS, num_stages=ntconv_stream.DU_STAGES,
+                      maxnreg=ntconv_stream.STREAM_MAX_REGISTERS), streaming=True)
+            for c in STREAM_INPUT_CHANNELS]
+
+
+# (heads, dims) of the streaming message gradient and projection: the tolokers preset, the widest rows (C = 64) in
+# heads of 16 dims and of 8 (padded to 16)
+STREAM_HEADS = ((2, 30), (4, 16), (8, 8))
+
+
+def _stream_message_specs(t: str, base: dict) -> list[Spec]:
+    """The streaming message gradient in each mode it serves and the forward's projection (plain and gated),
+    every dtype and architecture (ntconv_stream.py)."""
+    dy_types = dict(o=t, g_out=t, out=t, stats="*fp32", recv_rowptr="*i64", receiver="*i64", w_out=t, b_out=t, dy=t,
+                    do=t, row0="i32", R="i32", heads="i32")
+    project_types = dict(o=t, w_out=t, b_out=t, y=t, gate="*fp32", R="i32", heads="i32")
+    options = dict(num_warps=ntconv_stream.STREAM_WARPS, num_stages=ntconv_stream.MESSAGE_STAGES,
+                   maxnreg=ntconv_stream.STREAM_MAX_REGISTERS)
+    specs = []
+    for heads, dim in STREAM_HEADS:
+        block_e, block_d = ntconv_stream.stream_tiles(dim)
+        tiles = dict(TILES=ntconv_stream.STREAM_ROWS // block_e, BLOCK_E=block_e, BLOCK_D=block_d)
+        specs += [Spec(f"dy_stream{mode} H{heads} D{dim}", ntconv_stream._dy_stream_kernel, dy_types,
+                       dict(base, **tiles, H=heads, D=dim, MODE=mode,
+                            BLOCK_C=ntconv_stream.stream_width(heads, dim, mode, 2)), options, streaming=True)
+                  for mode in ntconv_stream.STREAM_MODES]
+        specs += [Spec(f"project_stream{' gated' if gated else ''} H{heads} D{dim}",
+                       ntconv_stream._project_stream_kernel, project_types,
+                       dict(base, **tiles, H=heads, D=dim, GATED=gated, SIGMOID=gated,
+                            BLOCK_C=ntconv_stream.stream_width(heads, dim, ntconv_grad.GRAD_SUM, 2)), options,
+                       streaming=True) for gated in (False, True)]
     return specs
 
 
@@ -151,6 +196,8 @@ def compile_specs(dtype: str) -> list[Spec]:
                        dict(num_warps=ntconv_grad.SPLIT_WARPS, num_stages=1), ntconv_grad.SPLIT_MIN_ARCH)
                   for gated, mode in ((False, ntconv_grad.GRAD_SUM), (True, ntconv_grad.GRAD_GATED_SUM))
                   if ntconv_grad.split_width(heads, dim, mode, size, ntconv_grad.SPLIT_MIN_ARCH)]
+    if dtype != "fp32":
+        specs += _stream_message_specs(t, base)
     return specs + _reduction_specs(t, all_modes=dtype == "fp32")
 
 
