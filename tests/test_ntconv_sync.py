@@ -2,7 +2,7 @@
 
 What the Triton implementation (nt_kernels/backends/triton/ntconv_op.py) would do
 on CUDA is recorded on CPU tensors under ``TRITON_INTERPRET=1`` by
-:class:`Recorder` (docs/design.md, "Host syncs"; docs/kernels-ntconv-cuda.md,
+:class:`Recorder` (docs/design.md, "Host syncs"; docs/kernels-ntconv-cuda-checks.md,
 "Launches"):
 
 * every Triton launch, with Triton's own specialisation of its arguments (the

@@ -619,7 +619,7 @@ def test_half_precision_error_at_most_twice_pytorchs(aggr, gate_group, dtype, th
     inputs, the max error of the output and of every gradient is at most twice that of the
     plain-PyTorch definition run in ``dtype`` (autograd of nt_reference.nn.ntconv_messages), plus
     the floor.  The graph is three times the small one: on ~40 messages one neighbourhood's
-    rounding luck decides a max error (docs/kernels-ntconv-cuda.md, "Tests without a GPU")."""
+    rounding luck decides a max error (docs/kernels-ntconv-cuda-checks.md, "Tests without a GPU")."""
     case = Case(*make_graph(SIZES * 3, receivers=None if aggr == "max" else 24), aggr)
     case.tensors = {n: None if t is None else t.to(dtype).double() for n, t in case.tensors.items()}
     case.projection = case.projection.to(dtype).double()

@@ -19,7 +19,7 @@ def _pow2(n: int, low: int = 16) -> int:
     return max(low, 1 << max(int(n) - 1, 0).bit_length())
 
 
-# Register budgets (fp32 elements of a program's largest live tile), from ptxas on sm_90 (docs/kernels-ntconv-cuda.md,
+# Register budgets (fp32 elements of a program's largest live tile), from ptxas on sm_90 (docs/kernels-ntconv-cuda-checks.md,
 # "Compile check"): beyond them the kernels spill or fall under 3 programs per SM.  Both kernels run 4 warps.
 PROLOGUE_TILE = 2048       # rows x channels of z (and rows x columns of one output block): 16 per thread
 PROLOGUE_WEIGHTS = 4096    # channels x columns of the w_qkv block one product reads
