@@ -488,16 +488,16 @@ def test_every_injected_fault_is_flagged(path, part, monkeypatch, record_propert
     escaped, caught = [], 0
     if part.startswith("tests-"):
         memoise_references(monkeypatch, Memo())
-        for dtype_name in [part.removeprefix("tests-")]:
-            inj.fault, inj.dtype = None, DTYPES[dtype_name]
-            clean = flagged_by_tests(path, dtype_name, None)
-            assert not clean, f"{path.name}, {dtype_name}, no fault: a test fails already: {clean}"
-            for fault in path.faults:
-                inj.fault = fault
-                if flagged_by_tests(path, dtype_name, fault):
-                    caught += 1
-                else:
-                    escaped.append(f"tests, {dtype_name}: {fault}")
+        dtype_name = part.removeprefix("tests-")
+        inj.fault, inj.dtype = None, DTYPES[dtype_name]
+        clean = flagged_by_tests(path, dtype_name, None)
+        assert not clean, f"{path.name}, {dtype_name}, no fault: a test fails already: {clean}"
+        for fault in path.faults:
+            inj.fault = fault
+            if flagged_by_tests(path, dtype_name, fault):
+                caught += 1
+            else:
+                escaped.append(f"tests, {dtype_name}: {fault}")
     else:
         dim = int(part.removeprefix("check-D"))
         s = Settings(DEVICE, path.dims, tuple(DTYPES), None, cached_cases=4)
