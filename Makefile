@@ -49,8 +49,12 @@ sdist:
 demo: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli demo
 
+# The suite on every core (pytest-xdist, a test extra: -n auto; --dist loadgroup keeps the tests of
+# an xdist_group, which share a module fixture, on one worker); PYTEST_WORKERS=0 runs it in this
+# process (as pytest without -n does).
+PYTEST_WORKERS ?= auto
 test: $(STAMP)
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 bench: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli bench --graph minesweeper --out bench/results

@@ -10,10 +10,17 @@ with environment variables:
   ``fused,by-size,partitioned-0.4,sequential,reference,pyg-pairs,flex,nested``);
 * ``NT_BENCH_HEADS``, ``NT_BENCH_HEAD_DIM``, ``NT_BENCH_DTYPE``,
   ``NT_BENCH_DEVICE`` (default 4, 8, float32, cuda if available else cpu),
-  ``NT_BENCH_ROUNDS`` (default 5).
+  ``NT_BENCH_ROUNDS`` (default 5);
+* ``NT_BENCH_MEMORY_CAP_GB``: the memory cap (default: the CLI's
+  ``--memory-cap-gb`` default, 10 GB, or half the bench device's memory, this
+  machine's RAM on the CPU, if that is less).
 
-Backends that do not apply (see ``nt_kernels.bench.backends.skip_reason``) or
-whose op is not built are skipped with the reason; a backend without a backward
+The suites run in-process, so no address-space limit guards them as it guards
+the CLI's workers: a backend whose memory estimate exceeds the cap (the
+strategies' padded tensors, pyg-pairs' pairs, nested's padding to the longest
+segment, flex's block mask; ``nt_kernels.bench.backends.skip_reason``) is
+skipped with the estimate in the reason, as are backends that do not apply or
+whose op is not built; a backend without a backward
 on the device (``forward_only_reason``: FlexAttention on the CPU) runs its
 forward on detached inputs and skips the forward+backward benchmark.
 """
@@ -37,16 +44,31 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name) or default
 
 
+def default_memory_cap_gb(device: str) -> float:
+    """The CLI's default cap, or half the device's memory (the machine's RAM on the CPU) if that is less."""
+    from nt_kernels.bench.cli import DEFAULT_CAP_GB
+
+    try:
+        if torch.device(device).type == "cuda":
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):  # no sysconf names here, no such device
+        return DEFAULT_CAP_GB
+    return min(DEFAULT_CAP_GB, total / 2e9)
+
+
 def settings() -> dict:
     from nt_kernels.performer import default_nb_features, switch_threshold
 
     head_dim = int(_env("NT_BENCH_HEAD_DIM", "8"))
     m = default_nb_features(head_dim)
+    device = _env("NT_BENCH_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
     return {"heads": int(_env("NT_BENCH_HEADS", "4")), "head_dim": head_dim,
-            "dtype": _env("NT_BENCH_DTYPE", "float32"),
-            "device": _env("NT_BENCH_DEVICE", "cuda" if torch.cuda.is_available() else "cpu"),
+            "dtype": _env("NT_BENCH_DTYPE", "float32"), "device": device,
             "seed": 0, "nb_features": m, "threshold": switch_threshold(m, head_dim),
-            "reference_max_edges": 20_000, "memory_cap_gb": 10.0}
+            "reference_max_edges": 20_000,
+            "memory_cap_gb": float(_env("NT_BENCH_MEMORY_CAP_GB", str(default_memory_cap_gb(device))))}
 
 
 @lru_cache(maxsize=None)

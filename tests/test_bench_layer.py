@@ -109,6 +109,7 @@ RESULT_KEYS = {"variant": str, "fused": bool, "status": str, "setup_s": float, "
                "checkpoint_saving_bytes": int, "host_share": dict, "captured": dict}
 
 
+@pytest.mark.xdist_group("tiny_doc")  # the module fixture tiny_doc once, on one worker
 def test_document_schema(tiny_doc):
     doc = tiny_doc
     assert doc["schema_version"] == layer.SCHEMA_VERSION and doc["kind"] == "layer"
@@ -141,6 +142,7 @@ def test_document_schema(tiny_doc):
     assert set(doc["load_average"]) == {"start", "end"} and "capture_speedup" not in doc["summary"]
 
 
+@pytest.mark.xdist_group("tiny_doc")  # the module fixture tiny_doc once, on one worker
 def test_graph_statistics(tiny_doc):
     g = tiny_doc["graph"]
     num_nodes = SMALL_MESSAGES // layer_graphs.POWERLAW_AVG_DEGREE
@@ -156,6 +158,7 @@ def test_graph_statistics(tiny_doc):
     assert g["segments"] == {"exact": int((~performer).sum()), "performer": int(performer.sum()), "empty": 0}
 
 
+@pytest.mark.xdist_group("tiny_doc")  # the module fixture tiny_doc once, on one worker
 def test_summary_ratios_come_from_the_numbers(tiny_doc):
     fused, unfused = tiny_doc["results"]
     sm = tiny_doc["summary"]
@@ -280,6 +283,7 @@ def test_dry_run_cuts_a_real_graph_and_names_the_file(tmp_path):
 
 
 # ------------------------------------------------------------ text output
+@pytest.mark.xdist_group("tiny_doc")  # the module fixture tiny_doc once, on one worker
 def test_table_and_results_block(tiny_doc, tmp_path):
     table = layer_report.format_table(tiny_doc)
     assert f"powerlaw: N=1,000, {SMALL_MESSAGES:,} messages" in table and "faster per step" in table
@@ -305,6 +309,7 @@ def test_table_and_results_block(tiny_doc, tmp_path):
     assert f"`{tiny_doc['command']}`" in block
 
 
+@pytest.mark.xdist_group("tiny_doc")  # the module fixture tiny_doc once, on one worker
 def test_from_json_reprints_and_publishes(tiny_doc, tmp_path, capsys):
     path = tmp_path / "layer.json"
     path.write_text(json.dumps(tiny_doc))

@@ -3,12 +3,19 @@
 Forward and gradients of pyg-pairs, nested and performer-pytorch-sizes; the
 forward of flex (no FlexAttention backward on the CPU), its block mask against
 ``create_block_mask``; the padded performer-pytorch peer reproduces the padding
-leak exactly; the skip / unsupported statuses.
+leak exactly; the skip / unsupported statuses; the memory estimates of the peers,
+and a peer over the memory cap skipped with its estimate, by the CLI and by the
+in-process pytest-benchmark suites (bench/).
 """
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -229,6 +236,59 @@ def test_peer_statuses():
         "n/a: graph has exact-path segments (Performer-only peer; use --subset performer)",
         "skipped: performer-pytorch not installed (pip install 'nt-kernels[peers]')")
     assert peers.padded_groups(performer, mixed) is None
+
+
+def test_nested_and_flex_memory_estimates():
+    """nested on the CPU pads every non-empty segment to the longest (S x H x L_max² score elements);
+    on CUDA it has no padding; flex adds its block mask's (E / 128)² block pairs.  Both are what
+    peers.estimate_bytes gives, and pyg-pairs' estimate stays its pairs estimate."""
+    csr = make_csr(SIZES)
+    ctx = make_context(csr)
+    nested, flex, pairs = (bb.Backend(name, name) for name in ("nested", "flex", "pyg-pairs"))
+    rows = csr.num_edges * H * peers.EST_ROW_C_D * D * 8      # float64
+    segments, longest = sum(n > 0 for n in SIZES), max(SIZES)
+    assert peers.nested_estimate_bytes(nested, ctx) == rows + segments * H * longest ** 2 * peers.EST_NESTED_SCORE_BYTES
+    assert peers.flex_estimate_bytes(flex, ctx) == rows + peers.EST_FLEX_BLOCK_PAIR_BYTES  # one block of 128 rows
+    assert peers.estimate_bytes(nested, ctx) == peers.nested_estimate_bytes(nested, ctx)
+    assert peers.estimate_bytes(flex, ctx) == peers.flex_estimate_bytes(flex, ctx)
+    assert peers.estimate_bytes(pairs, ctx) == peers.pairs_estimate_bytes(pairs, ctx)
+    assert peers.nested_estimate_bytes(flex, ctx) is None and peers.flex_estimate_bytes(nested, ctx) is None
+    assert peers.estimate_bytes(bb.Backend("performer-pytorch", "performer-pytorch"), ctx) is None
+    one_hub = make_context(make_csr([1] * 99 + [100]))      # one long segment pads the 99 short ones
+    assert peers.nested_estimate_bytes(nested, one_hub) > 100 * H * 100 ** 2 * peers.EST_NESTED_SCORE_BYTES
+    one_hub.device = torch.device("cuda")                   # the jagged kernels: no padding
+    assert peers.nested_estimate_bytes(nested, one_hub) == 199 * H * peers.EST_ROW_C_D * D * 8
+    big = make_context(make_csr([128] * 1000))              # 1,000 blocks: 40 MB of block mask
+    assert peers.flex_estimate_bytes(flex, big) >= 1000 ** 2 * peers.EST_FLEX_BLOCK_PAIR_BYTES
+
+
+@pytest.mark.parametrize("name", ["pyg-pairs", "nested", "flex"])
+def test_a_peer_over_the_cap_is_skipped_with_its_estimate(name):
+    csr = make_csr(SIZES)
+    backend = bb.Backend(name, name)
+    estimate = peers.estimate_bytes(backend, make_context(csr))
+    assert bb.skip_reason(backend, make_context(csr, cap=estimate)) is None
+    reason = bb.skip_reason(backend, make_context(csr, cap=estimate - 1))
+    assert reason == f"skipped: est. {estimate / 1e9:.1f} GB > cap {(estimate - 1) / 1e9:.1f} GB"
+
+
+def test_the_benchmark_suites_skip_a_peer_over_the_cap_in_process(tmp_path):
+    """bench/ (pytest-benchmark, in-process: no worker's address-space limit) on the graph where the nested
+    peer once took 24 GB and the OOM killer: the peer is skipped with its estimate, before any tensor is built."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, NT_BENCH_GRAPHS="synthetic-minesweeper@0.25", NT_BENCH_BACKENDS="nested",
+               NT_BENCH_MEMORY_CAP_GB="10")
+    report = tmp_path / "report.xml"
+    done = subprocess.run([sys.executable, "-m", "pytest", "bench/test_bench_ops.py", "--benchmark-disable", "-q",
+                           "-p", "no:cacheprovider", f"--junitxml={report}"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    skipped = {case.get("name"): case.find("skipped").get("message")
+               for case in ElementTree.parse(report).iter("testcase") if case.find("skipped") is not None}
+    assert set(skipped) == {"test_forward[synthetic-minesweeper@0.25-nested]",
+                            "test_forward_backward[synthetic-minesweeper@0.25-nested]"}, done.stdout[-3000:]
+    for message in skipped.values():
+        assert re.fullmatch(r"skipped: est\. \d+\.\d GB > cap 10\.0 GB", message), message
 
 
 def test_missing_package_and_unsupported_build_statuses(monkeypatch):

@@ -36,7 +36,7 @@ RESULT = {
         "peak_memory_bytes": INT, "memory_method": STR,
         "max_abs_error": NUMBER, "rel_error": NUMBER, "error_vs": STR,
         "padded_estimate_bytes": INT, "padded_calls": INT,
-        "pairs": INT, "pairs_estimate_bytes": INT, "forward_only": STR,
+        "pairs": INT, "pairs_estimate_bytes": INT, "memory_estimate_bytes": INT, "forward_only": STR,
     },
 }
 OK_RESULT_REQUIRED = ["forward_ms", "forward_backward_ms", "forward_ms_runs", "forward_backward_ms_runs",
@@ -214,6 +214,7 @@ def test_peers_in_the_bench_json(tmp_path, capsys):
     by_name = {e["backend"]: e for e in doc["results"]}
     assert list(by_name) == ["fused", "pyg-pairs", "nested", "flex", "performer-pytorch", "performer-pytorch-sizes"]
     assert by_name["pyg-pairs"]["pairs"] > 0 and by_name["pyg-pairs"]["pairs_estimate_bytes"] > 0
+    assert by_name["nested"]["memory_estimate_bytes"] > 0 and by_name["flex"]["memory_estimate_bytes"] > 0
     for name in ("pyg-pairs", "nested", "flex"):
         entry = by_name[name]
         if entry["status"].startswith("unsupported:"):

@@ -144,6 +144,7 @@ def check_dry_run(tmp_path_factory):
     return tmp, result
 
 
+@pytest.mark.xdist_group("check_dry_run")  # the module fixture check_dry_run once, on one worker
 def test_gpu_check_dry_run(check_dry_run):
     tmp, result = check_dry_run
     out = tmp / "check-out"
@@ -170,6 +171,7 @@ def test_gpu_check_dry_run(check_dry_run):
     assert "triton (warm):" in check_log and "0 compiled twice" in check_log
 
 
+@pytest.mark.xdist_group("check_dry_run")  # the module fixture check_dry_run once, on one worker
 def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
     """The kernels the dry run's warm compiled (check --kernels-only, sm_90, no GPU) are what the real
     check's launches load: every load a hit, from the cache as it is and after pack + unpack elsewhere."""
@@ -192,6 +194,7 @@ def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
         assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], (where, counts)
 
 
+@pytest.mark.xdist_group("check_dry_run")  # the module fixture check_dry_run once, on one worker
 def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
     """The specialisations the dry run logged (JITFunctions, autotuned ones included), replayed into an empty
     cache with the compile-only target (what make gpu-bundle does with earlier GPU runs' triton-specs.jsonl),

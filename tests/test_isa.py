@@ -151,8 +151,12 @@ NUMERICS_TESTS = ["tests/test_isa.py::test_max_ties_at_many_layouts_agree_across
                   "tests/test_isa.py::test_max_ties_on_keys_survive_torch_gelu_rounding",
                   "tests/test_ntconv_layer.py::test_max_ties_match_the_reference_layer",
                   "tests/test_ntconv.py::test_max_tie_gradient_is_split_evenly"]
-KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_ntconv_kernel.py", "-k",
-                "not float64 and not bad_input and not checked and not autocast"]
+KERNEL_TESTS = ["tests/test_cpu_kernels.py", "tests/test_ntconv_kernel.py"]
+KERNEL_FILTER = "not float64 and not bad_input and not checked and not autocast"
+# One child runs both lists on a path (one interpreter start and collection, not two): the kernel tests
+# through KERNEL_FILTER, the tie tests (all named max_tie*, every parametrisation) whatever the filter says.
+NUMERICS_AND_KERNEL_TESTS = [*NUMERICS_TESTS, *KERNEL_TESTS, "-k", f"max_tie or ({KERNEL_FILTER})"]
+assert all("::test_max_tie" in test for test in NUMERICS_TESTS), "the -k above keeps the tie tests by name"
 
 
 def missing_path_reason(isa: str) -> str | None:
@@ -188,16 +192,14 @@ def test_numerics_tests_pass_on_every_isa_path(isa):
     """Tie tests on every path; the kernels' float32 / half numerics tests on every path but the widest."""
     if missing_path_reason(isa):
         pytest.skip(missing_path_reason(isa))
-    run_child_tests(NUMERICS_TESTS, NT_KERNELS_CPU_ISA=isa)
-    if isa != widest_path():
-        run_child_tests(KERNEL_TESTS, NT_KERNELS_CPU_ISA=isa)
+    run_child_tests(NUMERICS_TESTS if isa == widest_path() else NUMERICS_AND_KERNEL_TESTS, NT_KERNELS_CPU_ISA=isa)
 
 
 @pytest.mark.skipif(os.environ.get(CHILD) == "1", reason="already a subprocess of this test")
-def test_tie_tests_pass_under_every_torch_capability():
+@pytest.mark.parametrize("cap", cpu_paths()["torch_capabilities"][:-1])  # the last, torch's default, ran above
+def test_tie_tests_pass_under_every_torch_capability(cap):
     """torch's vector kernels round GELU differently per capability; ties must not care."""
-    for cap in cpu_paths()["torch_capabilities"][:-1]:  # the last one, torch's default, ran above
-        run_child_tests(NUMERICS_TESTS, NT_KERNELS_CPU_ISA=widest_path(), ATEN_CPU_CAPABILITY=cap)
+    run_child_tests(NUMERICS_TESTS, NT_KERNELS_CPU_ISA=widest_path(), ATEN_CPU_CAPABILITY=cap)
 
 
 def isa_environments() -> list[dict[str, str]]:

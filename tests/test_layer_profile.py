@@ -114,6 +114,7 @@ def profile_doc(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads(out.read_text()), out
 
 
+@pytest.mark.xdist_group("profile_doc")  # the module fixture profile_doc once, on one worker
 def test_profile_document(profile_doc):
     doc, _ = profile_doc
     assert doc["kind"] == "layer-profile" and doc["graph"] == "powerlaw"
@@ -128,6 +129,7 @@ def test_profile_document(profile_doc):
     assert "--isa " + ",".join(doc["paths"]) in doc["command"]
 
 
+@pytest.mark.xdist_group("profile_doc")  # the module fixture profile_doc once, on one worker
 def test_profile_table_and_results_block(profile_doc, tmp_path, capsys):
     doc, path = profile_doc
     table = lp.format_table(doc)

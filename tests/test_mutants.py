@@ -32,7 +32,12 @@ zeroed where the Performer has one feature, see ``equivalent``) is not injected.
 kind (accuracy; determinism for the rounding; NaN containment for the leak) and the run stops at the
 first one that flags it.  Under the Triton interpreter each distinct kernel call runs once: its clean
 result is memoised by the call's inputs (the kernels are deterministic, which the tests check) and
-the fault applied afterwards.  ``conftest.py`` prints the count of caught faults after the run.
+the fault applied afterwards.  The tests' float64 / float32 / low-precision runs of the independent
+reference (tests/test_ntconv.py ``reference_runs``: plain PyTorch, which no fault touches) are likewise
+computed once per distinct input instead of once per fault.  Each path is one test per dtype for its
+tests and one per head dim for its check rows (their memos and reference caches are per dtype and per
+head dim, so nothing is computed twice, and pytest-xdist runs them side by side);
+``conftest.py`` prints the count of caught faults after the run.
 """
 from __future__ import annotations
 
@@ -275,6 +280,22 @@ def patch_triton_exact(mp, inj: Injector, memo: Memo) -> None:
     mp.setattr(ntt, "softmax_bwd_into", softmax_bwd_into)
 
 
+def memoise_references(mp, memo: Memo) -> None:
+    """tests/test_ntconv.py's ``reference_runs`` (the reference's runs on one input, no kernel of ours among
+    them) once per distinct input: the same result for the clean run and every fault."""
+    import test_ntconv
+
+    runs = test_ntconv.reference_runs
+
+    def reference_runs(inp_lo, edge_index, kwargs, autocast, rule):
+        key = Memo.key("reference_runs", (*inp_lo.tensors().values(), inp_lo.projection, inp_lo.heads, edge_index),
+                       dict(kwargs, autocast=autocast, rule=rule))
+        if key not in memo.store:
+            memo.store[key] = runs(inp_lo, edge_index, kwargs, autocast, rule)
+        return memo.store[key]
+    mp.setattr(test_ntconv, "reference_runs", reference_runs)
+
+
 # ---------------------------------------------------------------- detectors
 # Each detector has a kind; a fault is first shown to the detectors of its kind (then to the others),
 # so that a run stops at the first detector that flags it.
@@ -466,16 +487,27 @@ def flagged_by_tests(path: KernelPath, dtype: str, fault) -> str:
     return ""
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[p.name.replace(" ", "-") for p in PATHS])
-def test_every_injected_fault_is_flagged(path, monkeypatch, record_property):
-    """Every fault x dtype (x head dim for the check) on ``path``: clean runs pass, faulty ones fail."""
+def _parts(path: KernelPath) -> list[str]:
+    """The path's tests in each dtype, then its check rows at each head dim: one pytest case each."""
+    return [*(f"tests-{dtype}" for dtype in DTYPES), *(f"check-D{dim}" for dim in path.dims if path.check is not None)]
+
+
+CASES = [pytest.param(path, part, id=f"{path.name.replace(' ', '-')}-{part}") for path in PATHS for part in _parts(path)]
+
+
+@pytest.mark.parametrize("path, part", CASES)
+def test_every_injected_fault_is_flagged(path, part, monkeypatch, record_property):
+    """Every fault on ``path`` (``part``: its tests in one dtype, or its check rows at one head dim in every
+    dtype): clean runs pass, faulty ones fail."""
     start = time.perf_counter()
     for key, value in path.env.items():
         monkeypatch.setenv(key, value)
     inj, memo = Injector(), Memo()
     path.patch(monkeypatch, inj, memo)
     escaped, caught = [], 0
-    for dtype_name in DTYPES:
+    if part.startswith("tests-"):
+        memoise_references(monkeypatch, Memo())
+        dtype_name = part.removeprefix("tests-")
         inj.fault, inj.dtype = None, DTYPES[dtype_name]
         clean = flagged_by_tests(path, dtype_name, None)
         assert not clean, f"{path.name}, {dtype_name}, no fault: a test fails already: {clean}"
@@ -485,20 +517,20 @@ def test_every_injected_fault_is_flagged(path, monkeypatch, record_property):
                 caught += 1
             else:
                 escaped.append(f"tests, {dtype_name}: {fault}")
-    if path.check is not None:
+    else:
+        dim = int(part.removeprefix("check-D"))
         s = Settings(DEVICE, path.dims, tuple(DTYPES), None, cached_cases=4)
         s.graphs = {}
-        for dim in path.dims:
-            for dtype_name in DTYPES:
-                inj.fault, inj.dtype = None, DTYPES[dtype_name]
-                clean = flagged_by_check(path, s, dim, dtype_name, None)
-                assert not clean, f"{path.name}, {dtype_name}, D={dim}, no fault: the check fails already: {clean}"
-                for fault in (f for f in path.faults if not equivalent(path, f, dim)):
-                    inj.fault = fault
-                    if flagged_by_check(path, s, dim, dtype_name, fault):
-                        caught += 1
-                    else:
-                        escaped.append(f"check, {dtype_name}, D={dim}: {fault}")
+        for dtype_name in DTYPES:
+            inj.fault, inj.dtype = None, DTYPES[dtype_name]
+            clean = flagged_by_check(path, s, dim, dtype_name, None)
+            assert not clean, f"{path.name}, {dtype_name}, D={dim}, no fault: the check fails already: {clean}"
+            for fault in (f for f in path.faults if not equivalent(path, f, dim)):
+                inj.fault = fault
+                if flagged_by_check(path, s, dim, dtype_name, fault):
+                    caught += 1
+                else:
+                    escaped.append(f"check, {dtype_name}, D={dim}: {fault}")
     record_property("mutants_caught", caught)
     record_property("mutants_injected", caught + len(escaped))
     record_property("mutants_seconds", round(time.perf_counter() - start, 1))

@@ -592,6 +592,14 @@ def low_precision_runs(inp_lo, csr, edge_index, kwargs, autocast, rule):
     autocast, backward outside), of that reference in float32 and in float64 on the same values,
     and (a function) of it in float32 on the inputs rounded to ``rule``, rounded to ``rule``."""
     context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    op = output_and_grads(lambda i: call_op(i, csr, **dict(kwargs, projection=inp_lo.projection)), inp_lo, context)
+    return (op, *reference_runs(inp_lo, edge_index, kwargs, autocast, rule))
+
+
+def reference_runs(inp_lo, edge_index, kwargs, autocast, rule):
+    """The reference's runs of low_precision_runs (no nt_kernels op among them: the mutation harness,
+    tests/test_mutants.py, computes them once per distinct input)."""
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
     # under autocast the op casts its projection to q's bfloat16, which the reference's einsum needs given
     low_projection = inp_lo.projection.to(torch.bfloat16) if autocast else inp_lo.projection
 
@@ -604,11 +612,10 @@ def low_precision_runs(inp_lo, csr, edge_index, kwargs, autocast, rule):
         rounded = inp_lo.cast(rule).cast(torch.float32)
         out, grads = reference(rounded, rounded.projection)
         return out.to(rule), {name: g.to(rule) for name, g in grads.items()}
-    op = output_and_grads(lambda i: call_op(i, csr, **dict(kwargs, projection=inp_lo.projection)), inp_lo, context)
     torch_low = reference(inp_lo, low_projection, context)
     float32 = reference(inp_lo.cast(torch.float32), inp_lo.projection.float())
     truth = reference(inp_lo.cast(torch.float64), inp_lo.projection.double())
-    return op, torch_low, float32, truth, mixed
+    return torch_low, float32, truth, mixed
 
 
 # (node-term dtype, weight and edge_attr dtype, autocast to bfloat16)

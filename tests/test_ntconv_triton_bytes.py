@@ -414,7 +414,7 @@ def test_seed_read_on_the_device_draws_the_same_mask(recompute, monkeypatch):
     case = low_precision_case("gated_sum", autocast=True)
     kw = dict(aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD, dropout=0.3)
 
-    def run(seed, on_device):
+    def run(seed, on_device, backward=True):
         args = list(op_args(case, dtype=torch.float32, param_dtype=torch.bfloat16, seed=seed, **kw))
         extra = dict(chunk_rows=CHUNK_ROWS)
         if on_device and DEVICE.type == "cuda":
@@ -422,11 +422,13 @@ def test_seed_read_on_the_device_draws_the_same_mask(recompute, monkeypatch):
         elif on_device:
             extra["device_seed"] = True
         out, lse, stats = ntconv_op.ntconv_fwd(*args, **extra)
+        if not backward:  # the other seed: only its output is compared
+            return [out]
         grads = ntconv_op.ntconv_bwd(case.grad_out.to(DEVICE, out.dtype), out, lse, stats, *args,
                                      [True, True, True], **extra)
         return [out, *grads]
 
-    host, device, other = run(2 ** 40 + 7, False), run(2 ** 40 + 7, True), run(11, True)
+    host, device, other = run(2 ** 40 + 7, False), run(2 ** 40 + 7, True), run(11, True, backward=False)
     for name, a, b in zip(["out", *GRAD_NAMES], host, device):
         assert torch.equal(a, b), name
     assert not torch.equal(host[0], other[0])

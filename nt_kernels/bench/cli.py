@@ -194,6 +194,9 @@ def run_graph(name: str, args) -> dict:
             if pairs is not None:
                 entry["pairs"] = peers.sum_squared_sizes(ctx)
                 entry["pairs_estimate_bytes"] = pairs
+            peer_estimate = peers.estimate_bytes(backend, ctx)
+            if peer_estimate is not None and pairs is None:
+                entry["memory_estimate_bytes"] = peer_estimate
             results.append(entry)
             print(f"  {name}: {backend.name:16s} {entry['status'][:60]:60s} ({time.perf_counter() - started:.1f} s)",
                   file=sys.stderr, flush=True)

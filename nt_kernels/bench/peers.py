@@ -8,12 +8,15 @@ Each peer computes the same packed (E, H, D) output from the same packed q, k, v
   every segment; its memory is O(Σ n²), estimated before the run
   (:func:`pairs_estimate_bytes`) so that a graph over the cap is skipped.
 * ``nested`` — ``scaled_dot_product_attention`` on jagged nested tensors
-  (S, H, j, D), one component per non-empty segment.  Exact everywhere.
+  (S, H, j, D), one component per non-empty segment.  Exact everywhere.  On the
+  CPU torch runs it on its math path, which pads every segment to the longest:
+  memory O(S · L_max²), estimated before the run (:func:`nested_estimate_bytes`).
 * ``flex`` — compiled FlexAttention over the whole packed sequence with a
   document mask (query and key in the same segment).  The block mask is built
   from the CSR in O(E / 128) (:func:`document_block_mask`) instead of by
   evaluating the mask on all E² positions (``create_block_mask``), which a
-  graph with a million messages could not afford.  Exact everywhere.  Where
+  graph with a million messages could not afford; its index tensors are still
+  (E / 128)², estimated with the rest (:func:`flex_estimate_bytes`).  Exact everywhere.  Where
   the torch build has no FlexAttention backward on the device (CPU in torch
   2.13) it is measured forward only.
 * ``varlen`` — ``torch.nn.attention.varlen.varlen_attn``, FlashAttention-2 inside
@@ -30,6 +33,11 @@ Each peer computes the same packed (E, H, D) output from the same packed q, k, v
   that leak.  ``performer-pytorch-sizes`` makes one call per distinct segment
   size, with no padding and so no leak.  Optional: skipped with a clear status
   when performer-pytorch is not installed (``pip install 'nt-kernels[peers]'``).
+
+A peer whose estimate (:func:`estimate_bytes`) exceeds the memory cap
+(``--memory-cap-gb``; ``NT_BENCH_MEMORY_CAP_GB`` in the pytest-benchmark suites,
+which run in-process) is skipped with the estimate in its status, so that no
+run, in a worker or in-process, meets the OOM killer.
 
 A peer's ``prepare`` builds everything per graph (pair indices, offsets, block
 mask, compiled kernels, groups) outside the timed region, like the other
@@ -49,6 +57,16 @@ FLEX_BLOCK = 128
 # pyg-pairs memory per (query, key) pair and head: c_d * D elements (gathered q, k and v, the products and
 # their gradients) plus c_s score-sized elements (scores, softmax, gradients); plus two int64 indices per pair.
 EST_PAIRS_C_D, EST_PAIRS_C_S = 8, 6
+# nested and flex: c_d * D elements per row and head (as the strategies' padded rows, backends.EST_C_D).
+EST_ROW_C_D = 8
+# nested on the CPU (torch's math path pads every segment to the longest): bytes per padded score element
+# (segment, head, query, key).  Measured with torch 2.13 on the CPU, forward+backward, H = 2 and 4, D = 8
+# and 32: 21 (bfloat16, float16), 23-26 (float32) and 28 (float64) bytes.
+EST_NESTED_SCORE_BYTES = 32
+# flex: besides the rows, the block mask's index tensors,
+# (E / FLEX_BLOCK)² int32 each, four of them (kv and q indices, partial and full) and the temporaries of
+# building them: measured 37 bytes per block pair (torch 2.13, CPU, E = 0.4 and 0.8 million).
+EST_FLEX_BLOCK_PAIR_BYTES = 40
 
 
 def peer_backends() -> list[Backend]:
@@ -72,6 +90,47 @@ def pairs_estimate_bytes(backend: Backend, ctx: Context) -> int | None:
     item = torch.empty(0, dtype=ctx.dtype).element_size()
     per_pair = 2 * 8 + ctx.heads * (EST_PAIRS_C_D * ctx.head_dim + EST_PAIRS_C_S) * item
     return sum_squared_sizes(ctx) * per_pair
+
+
+def _linear_bytes(ctx: Context) -> int:
+    """EST_ROW_C_D * D elements per row and head: the packed inputs' copies, the output and the gradients."""
+    return ctx.num_edges * ctx.heads * EST_ROW_C_D * ctx.head_dim * torch.empty(0, dtype=ctx.dtype).element_size()
+
+
+def nested_estimate_bytes(backend: Backend, ctx: Context) -> int | None:
+    """Rough size of the nested peer's tensors for one forward+backward (None for other backends).
+
+    On the CPU every non-empty segment is padded to the longest (S · H · L_max² score elements at
+    ``EST_NESTED_SCORE_BYTES`` each); on CUDA the jagged SDPA runs FlashAttention or the
+    memory-efficient kernel on the packed rows, with no padding."""
+    if backend.family != "nested":
+        return None
+    linear = _linear_bytes(ctx)
+    if ctx.device.type == "cuda":
+        return linear
+    present = [(n, c) for n, c in zip(*ctx.hist) if n > 0 and c > 0]
+    if not present:
+        return linear
+    segments, longest = sum(c for _, c in present), max(n for n, _ in present)
+    return linear + segments * ctx.heads * longest * longest * EST_NESTED_SCORE_BYTES
+
+
+def flex_estimate_bytes(backend: Backend, ctx: Context) -> int | None:
+    """Rough size of the flex peer's tensors (None for other backends): the packed rows' inputs, output
+    and gradients, and the block mask of :func:`document_block_mask` ((E / FLEX_BLOCK)² block pairs)."""
+    if backend.family != "flex":
+        return None
+    blocks = -(-ctx.num_edges // FLEX_BLOCK)
+    return _linear_bytes(ctx) + blocks * blocks * EST_FLEX_BLOCK_PAIR_BYTES
+
+
+def estimate_bytes(backend: Backend, ctx: Context) -> int | None:
+    """The memory estimate of a peer that has one (pyg-pairs, nested, flex), else None."""
+    for estimate in (pairs_estimate_bytes, nested_estimate_bytes, flex_estimate_bytes):
+        value = estimate(backend, ctx)
+        if value is not None:
+            return value
+    return None
 
 
 def _probe_nested(device: torch.device) -> None:
@@ -150,7 +209,7 @@ def skip_reason(backend: Backend, ctx: Context) -> str | None:
         reason = _probe(backend.family, ctx.device)
         if reason is not None:
             return f"unsupported: {backend.family} on {ctx.device.type} in torch {torch.__version__} ({reason})"
-    estimate = pairs_estimate_bytes(backend, ctx)
+    estimate = estimate_bytes(backend, ctx)
     if estimate is not None and estimate > ctx.memory_cap_bytes:
         return f"skipped: est. {estimate / 1e9:.1f} GB > cap {ctx.memory_cap_bytes / 1e9:.1f} GB"
     return None
