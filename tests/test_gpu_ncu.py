@@ -52,7 +52,7 @@ def test_source_page_gives_the_lines_that_stall_most():
         '"Function Name","_fwd_kernel"',
         '"Line No","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
         '"1","<Unable to open source file>","100","90"',
-        '"File Path","/work/main/nt_kernels/backends/triton/softmax_fwd.py"',
+        '"File Path","/gpu-machine/checkout/nt_kernels/backends/triton/softmax_fwd.py"',
         '"Function Name","_fwd_kernel"',
         '"Line No","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
         '"10","acc += tl.dot(p, v)","600","500"',

@@ -197,8 +197,8 @@ stage_ncu() {
     head -30 "$WORK/logs/ncu-tables.md"
     return 0
   fi
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-  [ -n "$NCU" ] || { echo "SKIP ncu: not found"; return 1; }
+  NCU=${NCU:-$(command -v ncu)}  # NCU: its path where it is not on PATH
+  [ -n "$NCU" ] || { echo "SKIP ncu: not on PATH (set NCU to its path)"; return 1; }
   export NCU
   "$NCU" --version | tail -1
   for variant in ${GPU_NCU_VARIANTS//,/ }; do
