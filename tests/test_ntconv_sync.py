@@ -381,6 +381,25 @@ def test_one_signature_per_kernel_configuration_and_site_over_fifty_calls():
             "_weight_grad_kernel", "_message_grad_kernel"} <= kernels and len(kernels) >= 14
 
 
+def test_combine_has_one_signature_whatever_the_weight_and_split_counts():
+    """The weight-gradient combine's sizes (S splits of M x N partials) are not specialised (issue 40,
+    item 4): weights of 16 and 17 rows, 32 and 30 columns, 1 to 5 splits compile once per HAS_BIAS.
+    Each result is the split-order sum."""
+    from nt_kernels.backends.triton import ntconv_wgrad
+
+    gen = torch.Generator().manual_seed(0)
+    with Recorder() as rec:
+        for splits, m, n in [(1, 16, 32), (3, 17, 30), (5, 48, 64), (2, 1, 1)]:
+            for bias in (False, True):
+                partials = torch.randn(splits, m, n + bias, generator=gen)
+                w_acc, b_acc = torch.ones(m, n), torch.ones(m) if bias else None
+                ntconv_wgrad.combine(partials, w_acc, b_acc)
+                assert torch.allclose(w_acc, 1 + partials[..., :n].sum(0), atol=1e-6)
+                assert b_acc is None or torch.allclose(b_acc, 1 + partials[..., n].sum(0), atol=1e-6)
+    seen = {(config, signature) for config, signature, _ in rec.triton}
+    assert len(rec.triton) == 8 and len(seen) == 2, sorted(seen)
+
+
 def test_the_signature_check_sees_an_unsigned_seed(monkeypatch):
     """With the seed word passed unsigned (as before issue 27) the prologue gets a second signature
     (i64 for words >= 2**31): the check above can fail."""

@@ -1,4 +1,4 @@
-"""``performer-gemm`` (nt_kernels/bench/performer_gemm.py): the Performer in library GEMMs, the
+"""``performer-gemm`` (nt_kernels/backends/performer_gemm.py): the Performer in library GEMMs, the
 yardstick of the CUDA Performer kernels (issue 39), against the loop reference on CPU.
 
 Both of its modes run here: ``bmm`` over padded chunks (every dtype, float64 included) and
@@ -12,7 +12,7 @@ import torch
 
 from nt_kernels.bench import backends as bb
 from nt_kernels.bench.context import Backend, Context
-from nt_kernels.bench.performer_gemm import GemmPlan, performer_gemm, pow2_scale
+from nt_kernels.backends.performer_gemm import GemmPlan, performer_gemm, pow2_scale
 from nt_kernels.csr import NeighbourhoodCSR
 from test_performer_cuda import CPU_SIZES, DTYPES, EPS, assert_within_twice_baseline, cast, make_case, \
     reference_fwd_bwd
@@ -91,7 +91,7 @@ def test_plan_chunks_cover_every_row_once():
 
 
 def test_plan_splits_calls_at_the_group_limit(monkeypatch):
-    import nt_kernels.bench.performer_gemm as pg
+    import nt_kernels.backends.performer_gemm as pg
 
     monkeypatch.setattr(pg, "MAX_GROUPS", 4)
     case = make_case(CPU_SIZES, 8, device="cpu")
@@ -134,7 +134,7 @@ def test_bench_backend_matches_the_reference_and_says_where_it_cannot_run():
     backend = bb.select_backends("performer-gemm")[0]
     assert backend == Backend("performer-gemm", "performer-gemm") and backend.semantics == "switch"
     ctx = _context([0, 40, 300, 13])
-    assert bb.skip_reason(backend, ctx) is None and bb.gemm_mode(ctx) == "bmm"
+    assert bb.skip_reason(backend, ctx) is None
     fn = bb.prepare(backend, ctx)
     q, k, v = (torch.randn(353, 2, 8) for _ in range(3))
     want = reference_fwd_bwd(q.double(), k.double(), v.double(), ctx.csr.rowptr, ctx.projection.double(),

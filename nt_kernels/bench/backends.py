@@ -10,7 +10,7 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
   FlashAttention-2-style kernels of issue 39; the last two opt-in), so that one
   run times them side by side (CUDA only);
 * ``performer-gemm`` — the yardstick: the same Performer math composed of library
-  GEMMs (:mod:`nt_kernels.bench.performer_gemm`; grouped GEMMs, or ``bmm`` over
+  GEMMs (:mod:`nt_kernels.backends.performer_gemm`; grouped GEMMs, or ``bmm`` over
   padded chunks in float64), on graphs whose every segment takes the Performer
   path (``--subset performer``); every device;
 * ``reference`` — the per-segment loop of :mod:`nt_reference.ops` (small graphs);
@@ -218,30 +218,11 @@ def gemm_not_applicable(ctx: Context) -> str | None:
     return None
 
 
-def gemm_mode(ctx: Context) -> str:
-    """``grouped`` (torch._grouped_mm) for bfloat16 on sm_90 and newer, where torch runs it on CUTLASS
-    grouped GEMMs; ``bmm`` over padded chunks elsewhere (on the CPU the grouped op is a loop)."""
-    grouped = (hasattr(torch, "_grouped_mm") and ctx.device.type == "cuda" and ctx.dtype == torch.bfloat16
-               and torch.cuda.get_device_capability(ctx.device) >= (9, 0))
-    return "grouped" if grouped else "bmm"
-
-
 def _prepare_gemm(ctx: Context) -> Callable:
-    """The yardstick on this graph; a grouped plan is tried once here (zeros, forward and backward) and
-    replaced by the bmm plan if this torch build refuses its shapes (strides, offsets) on the device."""
-    from nt_kernels.bench.performer_gemm import GemmPlan, performer_gemm
+    """The yardstick on this graph, with the plan the op switch takes (performer_gemm.make_plan)."""
+    from nt_kernels.backends.performer_gemm import make_plan, performer_gemm
 
-    projection, mode = ctx.projection, gemm_mode(ctx)
-    plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode=mode)
-    if mode == "grouped":
-        shape = (ctx.num_edges, ctx.heads, ctx.head_dim)
-        q = torch.zeros(shape, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
-        try:
-            performer_gemm(q, q, q, plan, projection).sum().backward()
-        except RuntimeError as exc:
-            print(f"performer-gemm: grouped GEMMs refused ({str(exc).splitlines()[0][:160]}); bmm instead",
-                  file=sys.stderr)
-            plan = GemmPlan(ctx.csr.rowptr, ctx.heads, mode="bmm")
+    projection, plan = ctx.projection, make_plan(ctx.csr.rowptr, ctx.heads, ctx.dtype)
     return lambda q, k, v: performer_gemm(q, k, v, plan, projection)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from nt_kernels._extension import extension
 from nt_kernels import backends
+from nt_kernels.backends import performer_gemm
 from nt_kernels.csr import NeighbourhoodCSR, split_segments
 from nt_kernels.ops import _checks
 from nt_kernels.performer import switch_threshold
@@ -120,6 +121,25 @@ def _default_scale(q: torch.Tensor, scale):
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
+def _attention(q, k, v, rowptr, csr, key, exact, performer, exact_plan, projection, scale, eps):
+    """o of the public ops: the op pair over both lists (every row covered); or, under
+    ``NT_KERNELS_PERFORMER=gemm``, the exact list through the op pair (which leaves the other rows 0)
+    and the Performer list through ``performer-gemm``, its rows copied into o.  The Performer rows and
+    their plan are cached on ``csr`` under ``key`` (without a CSR they are rebuilt, with host reads)."""
+    if performer.numel() == 0 or not performer_gemm.selected():
+        o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, exact_plan, projection, scale, eps,
+                                  rows_covered=True)
+        return o
+    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, _no_segments(rowptr), exact_plan, None, scale, eps,
+                              rows_covered=False)
+
+    def build():
+        return performer_gemm.SegmentRows(rowptr, performer, q.shape[1], q.dtype)
+
+    rows = build() if csr is None else csr.plan(("performer-gemm", key, q.shape[1], q.dtype), build)
+    return o.index_copy(0, rows.rows, performer_gemm.forward_rows(q, k, v, rows, projection, eps))
+
+
 def _all_segments(rowptr: torch.Tensor) -> torch.Tensor:
     return torch.arange(rowptr.numel() - 1, device=rowptr.device)
 
@@ -152,11 +172,10 @@ def segment_performer_attention(q, k, v, rowptr, projection, *, eps=DEFAULT_EPS)
     """
     op = "segment_performer_attention"
     q, k, v = _checks.check_qkv(op, *_autocast(q, k, v))
-    rowptr, _ = _rowptr_of(op, rowptr, q)
+    rowptr, csr = _rowptr_of(op, rowptr, q)
     projection = _projection_for(op, projection, q)
-    o, _ = _OPS.attention_fwd(q, k, v, rowptr, _no_segments(rowptr), _all_segments(rowptr), None,
-                              projection, _default_scale(q, None), float(eps), rows_covered=True)
-    return o
+    return _attention(q, k, v, rowptr, csr, "all", _no_segments(rowptr), _all_segments(rowptr), None,
+                      projection, _default_scale(q, None), float(eps))
 
 
 def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshold=None, scale=None,
@@ -181,6 +200,5 @@ def neighbourhood_attention(q, k, v, csr_or_rowptr, *, projection=None, threshol
         exact, performer = csr.segment_split(threshold)
     else:
         exact, performer = split_segments(rowptr, threshold)
-    o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, backends.exact_plan(csr, threshold, exact, q),
-                              projection, _default_scale(q, scale), float(eps), rows_covered=True)
-    return o
+    return _attention(q, k, v, rowptr, csr, float(threshold), exact, performer,
+                      backends.exact_plan(csr, threshold, exact, q), projection, _default_scale(q, scale), float(eps))

@@ -17,7 +17,8 @@ Per chunk of whole neighbourhoods (ntconv_plan.py), the forward runs
 
 The backward recomputes 1-3 per chunk (the attention with its lse; with the flash Performer kernels,
 ``NT_KERNELS_PERFORMER=flash``, keeping the Performer's per-segment state so that its backward skips
-the keys pass), gets dy and do = dy · w_out from the
+the keys pass; with ``NT_KERNELS_PERFORMER=gemm``, the Performer rows go through the library-GEMM
+yardstick instead, nt_kernels/backends/performer_gemm.py), gets dy and do = dy · w_out from the
 saved (out, stats) in one kernel (ntconv_grad.py; where ``split_width``
 allows, that kernel recomputes y from o itself and also sums dW_out and
 db_out, so y and dy are never stored), then the attention
@@ -62,6 +63,7 @@ import os
 import torch
 from torch.library import register_kernel
 
+from nt_kernels.backends import performer_gemm
 from nt_kernels.backends.triton.common import device_arch
 from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
 from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, prologue, rows_gemm
@@ -122,6 +124,12 @@ def _keeps_performer_state(q: torch.Tensor) -> bool:
             and hasattr(torch.ops.nt_kernels, "performer_fwd_state_table"))
 
 
+def _gemm_rows(p: Problem, chunk, dtype) -> performer_gemm.SegmentRows:
+    """The chunk's Performer rows and their performer-gemm plan (host reads once per plan, chunk and dtype)."""
+    return p.plan.memo(("performer-gemm", chunk.seg0, p.heads, dtype),
+                       lambda: performer_gemm.SegmentRows(chunk.rowptr, chunk.performer, p.heads, dtype))
+
+
 def _attention_fwd(p: Problem, chunk, o, lse, q, k, v, keep_state: bool = False):
     """Exact kernels with work in this chunk (their launch list kept on the plan), then the Performer
     kernels through the trusted table the plan checked when it was built (no sync, no check here).
@@ -132,6 +140,11 @@ def _attention_fwd(p: Problem, chunk, o, lse, q, k, v, keep_state: bool = False)
                     memo=p.plan.memo)
     if chunk.performer is None:
         return None
+    if performer_gemm.selected():  # the backward's recompute keeps the recorded forward as the state
+        rows = _gemm_rows(p, chunk, q.dtype)
+        out, state = performer_gemm.recorded_rows(q, k, v, rows, p.projection, p.eps, keep=keep_state)
+        o.index_copy_(0, rows.rows, out)
+        return state
     if keep_state and _keeps_performer_state(q):
         return torch.ops.nt_kernels.performer_fwd_state_table(o, q, k, v, chunk.rowptr, chunk.performer,
                                                               chunk.performer_table, p.projection, p.eps)
@@ -145,6 +158,10 @@ def _attention_bwd(p: Problem, chunk, dq, dk, dv, do, q, k, v, o, lse, state=Non
         softmax_bwd(dq, dk, dv, do, q, k, v, o, lse, chunk.exact_plan, p.scale, p.allow_tf32, work=chunk.exact_work,
                     memo=p.plan.memo)
     if chunk.performer is None:
+        return
+    if performer_gemm.selected():
+        performer_gemm.backward_rows(dq, dk, dv, do, q, k, v, _gemm_rows(p, chunk, q.dtype), p.projection, p.eps,
+                                     state)
         return
     if state is not None:
         torch.ops.nt_kernels.performer_bwd_state_table_into(dq, dk, dv, do, q, k, v, chunk.rowptr, chunk.performer,

@@ -114,7 +114,7 @@ def store_partial(base, acc, bias, rows, rows_valid, cols, cols_valid, N: tl.con
     tl.store(base + rows * (N + 1) + N, bias, mask=rows_valid)
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit(do_not_specialize=["S", "M", "N"])
 def _combine_kernel(partials, w_acc, b_acc, S, M, N, HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK: tl.constexpr):
     # Step 1: the sum over splits 0..S of BLOCK flat elements of the (M, N + HAS_BIAS) partials, in split order.

@@ -22,15 +22,24 @@ by exact powers of two before they are rounded (W and C per group, G' and t per 
 sums' p lambda per group), so float16 does not overflow where PyTorch's own float16 Performer does.
 The backward is written out (the kernels' formulas) and recomputes the feature maps from q and k, so
 only W, the key stabilisers and o are kept.
+
+``NT_KERNELS_PERFORMER=gemm`` (read at every call, as the CUDA kernels' other choices are) runs the
+Performer segments of the public attention ops (every device) and of the fused layer's CUDA path
+through this composition (:class:`SegmentRows`, :func:`forward_rows`, :func:`backward_rows`): the
+op-level A/B of the hand-written kernels against the yardstick.  The fused layer's CPU kernel does not
+read the variable.
 """
 from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 
 import torch
 
-__all__ = ["CHUNK_ROWS", "MAX_GROUPS", "GemmPlan", "performer_gemm"]
+__all__ = ["CHUNK_ROWS", "MAX_GROUPS", "GemmPlan", "SegmentRows", "backward_rows", "forward_rows", "make_plan",
+           "performer_gemm", "recorded_rows", "selected"]
 
 CHUNK_ROWS = 256   # rows of one padded chunk in bmm mode
 MAX_GROUPS = 1024  # groups per torch._grouped_mm call (the CUDA kernels' limit)
@@ -192,54 +201,73 @@ def _input_grad(feat: _Features, dp: torch.Tensor, proj: torch.Tensor, m: int, d
     return feat.c * tp - feat.c * feat.c * t.sum(1, keepdim=True) * feat.x
 
 
+def _pads(plan: GemmPlan, m: int, dim: int) -> tuple[int, int]:
+    """Zero columns after the m features and after (v, 1) in grouped mode (16-byte rows)."""
+    if plan.mode != "grouped":
+        return 0, 0
+    return _round_up(m, 8) - m, _round_up(dim + 1, 8) - dim - 1
+
+
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
+def _forward(q, k, v, projection, plan: GemmPlan, eps: float):
+    """(o in q's dtype, the tensors _backward takes)."""
+    dtype, (m, dim) = q.dtype, projection.shape
+    pad_m, pad_d = _pads(plan, m, dim)
+    xq, xk, xv = _fold(q), _fold(k), _fold(v)
+    fk = _Features(xk, projection, lambda u: plan.per_group_max(u.amax(1))[plan.row_group, None], pad_m)
+    fq = _Features(xq, projection, lambda u: u.amax(1, keepdim=True), pad_m)
+    # W = Σ p(k) v'ᵀ per group
+    w = plan.sum_outer((fk.e + eps * _real(m, pad_m, fk.e)).to(dtype), _with_ones(xv, pad_d).to(dtype))
+    sigma = pow2_scale(w.abs().flatten(1).amax(1))[:, None, None]
+    wt = (w * sigma).to(dtype)
+    out = plan.rows_times((fq.e + eps * _real(m, pad_m, fq.e)).to(dtype), wt)  # sigma o'
+    den = out[:, dim:dim + 1]
+    o = out[:, :dim] / den
+    return _unfold(o, plan.heads).to(dtype), (q, k, v, projection, wt, sigma, fk.stab, o, den)
+
+
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
+def _backward(saved, grad_o, plan: GemmPlan, eps: float):
+    """(dq, dk, dv) in q's dtype from _forward's tensors and the output gradient."""
+    q, k, v, projection, wt, sigma, kstab, o, den = saved
+    dtype, (m, dim) = q.dtype, projection.shape
+    pad_m, pad_d = _pads(plan, m, dim)
+    g = _fold(grad_o.contiguous()).to(o.dtype)
+    # h = (g, -g.o) per row, scaled into [-1, 1]; G' = h' lambda sigma with lambda = 1 / (scale sigma den)
+    h = torch.cat([g, -(g * o).sum(1, keepdim=True)], 1)
+    hs = pow2_scale(h.abs().amax(1, keepdim=True))
+    lam = 1.0 / (hs * den)
+    hp = torch.nn.functional.pad(h * hs, (0, pad_d)).to(dtype)
+    fq = _Features(_fold(q), projection, lambda u: u.amax(1, keepdim=True), pad_m)
+    dpq = lam * plan.rows_times(hp, wt.transpose(1, 2).contiguous())
+    # C = sigma Σ p(q) lambda h'ᵀ per group: lambda / (its group's power of two) in the operand
+    lam_top = 1.0 / pow2_scale(plan.per_group_max(lam[:, 0]))
+    a = (fq.e + eps * _real(m, pad_m, fq.e)) * (lam / lam_top[plan.row_group, None])
+    cmat = plan.sum_outer(a.to(dtype), hp) * (sigma * lam_top[:, None, None])
+    tau = pow2_scale(cmat.abs().flatten(1).amax(1))[:, None, None]
+    ct = (cmat * tau).to(dtype)
+    fk = _Features(_fold(k), projection, lambda u: kstab, pad_m)
+    inv_tau = 1.0 / tau[:, 0][plan.row_group]
+    dv = plan.rows_times((fk.e + eps * _real(m, pad_m, fk.e)).to(dtype), ct)[:, :dim] * inv_tau
+    dpk = plan.rows_times(_with_ones(_fold(v), pad_d).to(dtype), ct.transpose(1, 2).contiguous()) * inv_tau
+    dq = _input_grad(fq, dpq, projection, m, dtype)
+    dk = _input_grad(fk, dpk, projection, m, dtype)
+    return tuple(_unfold(t, plan.heads).to(dtype) for t in (dq, dk, dv))
+
+
 class _PerformerGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, projection, plan: GemmPlan, eps: float):
-        dtype, (m, dim) = q.dtype, projection.shape
-        pad_m = _round_up(m, 8) - m if plan.mode == "grouped" else 0
-        pad_d = _round_up(dim + 1, 8) - dim - 1 if plan.mode == "grouped" else 0
-        xq, xk, xv = _fold(q), _fold(k), _fold(v)
-        fk = _Features(xk, projection, lambda u: plan.per_group_max(u.amax(1))[plan.row_group, None], pad_m)
-        fq = _Features(xq, projection, lambda u: u.amax(1, keepdim=True), pad_m)
-        # W = Σ p(k) v'ᵀ per group
-        w = plan.sum_outer((fk.e + eps * _real(m, pad_m, fk.e)).to(dtype), _with_ones(xv, pad_d).to(dtype))
-        sigma = pow2_scale(w.abs().flatten(1).amax(1))[:, None, None]
-        wt = (w * sigma).to(dtype)
-        out = plan.rows_times((fq.e + eps * _real(m, pad_m, fq.e)).to(dtype), wt)  # sigma o'
-        den = out[:, dim:dim + 1]
-        o = out[:, :dim] / den
-        ctx.save_for_backward(q, k, v, projection, wt, sigma, fk.stab, o, den)
-        ctx.plan, ctx.eps, ctx.pads = plan, eps, (pad_m, pad_d)
-        return _unfold(o, plan.heads).to(dtype)
+        o, saved = _forward(q, k, v, projection, plan, eps)
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.eps = plan, eps
+        return o
 
     @staticmethod
     def backward(ctx, grad_o):
-        q, k, v, projection, wt, sigma, kstab, o, den = ctx.saved_tensors
-        plan, eps, (pad_m, pad_d) = ctx.plan, ctx.eps, ctx.pads
-        dtype, (m, dim) = q.dtype, projection.shape
-        g = _fold(grad_o.contiguous()).to(o.dtype)
-        # h = (g, -g.o) per row, scaled into [-1, 1]; G' = h' lambda sigma with lambda = 1 / (scale sigma den)
-        h = torch.cat([g, -(g * o).sum(1, keepdim=True)], 1)
-        hs = pow2_scale(h.abs().amax(1, keepdim=True))
-        lam = 1.0 / (hs * den)
-        hp = torch.nn.functional.pad(h * hs, (0, pad_d)).to(dtype)
-        fq = _Features(_fold(q), projection, lambda u: u.amax(1, keepdim=True), pad_m)
-        dpq = lam * plan.rows_times(hp, wt.transpose(1, 2).contiguous())
-        # C = sigma Σ p(q) lambda h'ᵀ per group: lambda / (its group's power of two) in the operand
-        lam_top = 1.0 / pow2_scale(plan.per_group_max(lam[:, 0]))
-        a = (fq.e + eps * _real(m, pad_m, fq.e)) * (lam / lam_top[plan.row_group, None])
-        cmat = plan.sum_outer(a.to(dtype), hp) * (sigma * lam_top[:, None, None])
-        tau = pow2_scale(cmat.abs().flatten(1).amax(1))[:, None, None]
-        ct = (cmat * tau).to(dtype)
-        fk = _Features(_fold(k), projection, lambda u: kstab, pad_m)
-        inv_tau = 1.0 / tau[:, 0][plan.row_group]
-        dv = plan.rows_times((fk.e + eps * _real(m, pad_m, fk.e)).to(dtype), ct)[:, :dim] * inv_tau
-        dpk = plan.rows_times(_with_ones(_fold(v), pad_d).to(dtype), ct.transpose(1, 2).contiguous()) * inv_tau
-        dq = _input_grad(fq, dpq, projection, m, dtype)
-        dk = _input_grad(fk, dpk, projection, m, dtype)
-        heads = plan.heads
-        return (_unfold(dq, heads).to(dtype), _unfold(dk, heads).to(dtype), _unfold(dv, heads).to(dtype),
-                None, None, None)
+        return (*_backward(ctx.saved_tensors, grad_o, ctx.plan, ctx.eps), None, None, None)
 
 
 def _real(m: int, pad: int, like: torch.Tensor) -> torch.Tensor:
@@ -252,9 +280,95 @@ def _real(m: int, pad: int, like: torch.Tensor) -> torch.Tensor:
 def performer_gemm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: GemmPlan, projection: torch.Tensor,
                    eps: float = 1e-4) -> torch.Tensor:
     """Performer attention of packed (E, H, D) rows inside every segment of ``plan`` (differentiable in q, k, v)."""
+    _check(q, plan)
+    return _PerformerGemm.apply(q.contiguous(), k.contiguous(), v.contiguous(), projection, plan, eps)
+
+
+def _check(q: torch.Tensor, plan: GemmPlan) -> None:
     if plan.mode == "grouped" and q.dtype not in GROUPED_DTYPES:
         raise ValueError(f"performer-gemm: grouped mode takes {[str(d) for d in GROUPED_DTYPES]}, not {q.dtype}")
     if q.shape[0] != plan.rows or q.shape[1] != plan.heads:
         raise ValueError(f"performer-gemm: q has {tuple(q.shape[:2])} rows and heads, the plan "
                          f"({plan.rows}, {plan.heads})")
-    return _PerformerGemm.apply(q.contiguous(), k.contiguous(), v.contiguous(), projection, plan, eps)
+
+
+# ------------------------------------------------------- NT_KERNELS_PERFORMER=gemm
+ENV = "NT_KERNELS_PERFORMER"
+
+
+def selected() -> bool:
+    """Whether ``NT_KERNELS_PERFORMER=gemm`` asks for this composition (read at every call)."""
+    return os.environ.get(ENV) == "gemm"
+
+
+@functools.cache
+def _grouped_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch build runs the grouped plan's products (forward and backward) on the device."""
+    rowptr = torch.tensor([0, 3, 8], device=device_type)
+    q = torch.zeros((8, 1, 8), dtype=dtype, device=device_type, requires_grad=True)
+    try:
+        performer_gemm(q, q, q, GemmPlan(rowptr, 1), torch.zeros(16, 8, device=device_type)).sum().backward()
+    except (RuntimeError, NotImplementedError) as exc:
+        print(f"performer-gemm: grouped GEMMs refused on {device_type} for {dtype} "
+              f"({str(exc).splitlines()[0][:160]}); bmm instead", file=sys.stderr)
+        return False
+    return True
+
+
+def make_plan(rowptr: torch.Tensor, heads: int, dtype: torch.dtype) -> GemmPlan:
+    """The plan of the bench's ``performer-gemm`` and of NT_KERNELS_PERFORMER=gemm: grouped GEMMs
+    (``torch._grouped_mm``, CUTLASS) for bfloat16 on sm_90 and newer where this torch runs them (tried
+    once per device and dtype), ``bmm`` over padded chunks elsewhere (on the CPU the grouped op is a
+    loop over the groups)."""
+    device = rowptr.device
+    grouped = (dtype == torch.bfloat16 and device.type == "cuda" and hasattr(torch, "_grouped_mm")
+               and torch.cuda.get_device_capability(device) >= (9, 0) and _grouped_runs(device.type, dtype))
+    return GemmPlan(rowptr, heads, mode="grouped" if grouped else "bmm")
+
+
+class SegmentRows:
+    """The rows of the listed segments of ``rowptr`` packed in list order (``rows``, a device index) and
+    the plan over them: built once per graph (host reads), cached by the caller."""
+
+    def __init__(self, rowptr: torch.Tensor, segments: torch.Tensor, heads: int, dtype: torch.dtype):
+        bounds, ids = rowptr.to("cpu", torch.int64), segments.to("cpu", torch.int64)
+        starts, sizes = bounds[ids], bounds[ids + 1] - bounds[ids]
+        packed = torch.cat([sizes.new_zeros(1), torch.cumsum(sizes, 0)])
+        rows = torch.repeat_interleave(starts - packed[:-1], sizes) + torch.arange(int(packed[-1]))
+        self.rows = rows.to(rowptr.device)
+        self.plan = make_plan(packed.to(rowptr.device), heads, dtype)
+
+
+def forward_rows(q, k, v, segment_rows: SegmentRows, projection, eps: float) -> torch.Tensor:
+    """The Performer output of ``segment_rows``' rows (differentiable in q, k, v)."""
+    rows = segment_rows.rows
+    if rows.numel() == 0:
+        return q.new_empty((0, *q.shape[1:]))
+    return performer_gemm(q[rows], k[rows], v[rows], segment_rows.plan, projection, eps)
+
+
+def recorded_rows(q, k, v, segment_rows: SegmentRows, projection, eps: float, *, keep: bool):
+    """(output at the rows, state): with ``keep`` the state holds what :func:`backward_rows` needs (the
+    forward's saved tensors), so that it skips its recompute; else None.  No autograd: the fused layer
+    calls this from inside its op's kernels, below the dispatcher's autograd."""
+    rows = segment_rows.rows
+    if rows.numel() == 0:
+        return q.new_empty((0, *q.shape[1:])), None
+    gathered = [t[rows].contiguous() for t in (q, k, v)]
+    _check(gathered[0], segment_rows.plan)
+    out, saved = _forward(*gathered, projection, segment_rows.plan, eps)
+    return out, saved if keep else None
+
+
+def backward_rows(dq, dk, dv, grad_o, q, k, v, segment_rows: SegmentRows, projection, eps: float,
+                  state=None) -> None:
+    """dq, dk, dv at ``segment_rows``' rows from grad_o there (``state`` of :func:`recorded_rows`; the
+    forward recomputed when None)."""
+    rows = segment_rows.rows
+    if rows.numel() == 0:
+        return
+    if state is None:
+        _, state = recorded_rows(q, k, v, segment_rows, projection, eps, keep=True)
+    grads = _backward(state, grad_o[rows], segment_rows.plan, eps)
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.index_copy_(0, rows, grad.to(buffer.dtype))
