@@ -11,6 +11,13 @@ compiled under the default capability gave wrong results and then a
 segmentation fault when the suite reran under ATEN_CPU_CAPABILITY=avx2), so,
 unless TORCHINDUCTOR_CACHE_DIR is set, the tests keep one Inductor cache per
 capability (docs/design.md §9, "Max ties").
+
+Under pytest-xdist (``make test``) the workers share the cores: each takes cores / workers intra-op
+threads (one on the 2-core machine), and its subprocesses inherit that through OMP_NUM_THREADS
+unless they set their own.  With torch's default (every core per process) two workers' OpenMP
+threads spun against each other: the flash model's tests, which run thousands of small products,
+took 20-70 s each instead of 1 s.  Tests of the threaded paths set their thread counts themselves
+(tests/test_cpu_kernels.py).
 """
 import getpass
 import os
@@ -21,6 +28,10 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(_THREADS)
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{torch.backends.cpu.get_cpu_capability().lower()}"))
 if not HAS_CUDA:
