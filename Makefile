@@ -50,7 +50,8 @@ demo: $(STAMP)
 	$(PYTHON) -m nt_kernels.cli demo
 
 # The suite on every core (pytest-xdist, a test extra: -n auto; --dist loadgroup keeps the tests of
-# an xdist_group, which share a module fixture, on one worker); PYTEST_WORKERS=0 runs it in this
+# an xdist_group, which share a module fixture, on one worker; each worker takes cores / workers torch
+# threads, tests/conftest.py); PYTEST_WORKERS=0 runs it in this
 # process (as pytest without -n does).
 PYTEST_WORKERS ?= auto
 test: $(STAMP)
