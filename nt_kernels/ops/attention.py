@@ -126,7 +126,7 @@ def _attention(q, k, v, rowptr, csr, key, exact, performer, exact_plan, projecti
     ``NT_KERNELS_PERFORMER=gemm``, the exact list through the op pair (which leaves the other rows 0)
     and the Performer list through ``performer-gemm``, its rows copied into o.  The Performer rows and
     their plan are cached on ``csr`` under ``key`` (without a CSR they are rebuilt, with host reads)."""
-    if performer.numel() == 0 or not performer_gemm.selected():
+    if not performer_gemm.selected() or performer.numel() == 0:
         o, _ = _OPS.attention_fwd(q, k, v, rowptr, exact, performer, exact_plan, projection, scale, eps,
                                   rows_covered=True)
         return o
