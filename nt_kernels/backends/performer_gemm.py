@@ -303,11 +303,13 @@ def selected() -> bool:
 
 @functools.cache
 def _grouped_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch build runs the grouped plan's products (forward and backward) on the device."""
-    rowptr = torch.tensor([0, 3, 8], device=device_type)
-    q = torch.zeros((8, 1, 8), dtype=dtype, device=device_type, requires_grad=True)
+    """Whether this torch build runs the grouped plan's products (forward and backward) on the device; no
+    autograd, so that the fused op can ask from below the dispatcher's autograd."""
+    plan = GemmPlan(torch.tensor([0, 3, 8], device=device_type), 1)
+    q = torch.zeros((8, 1, 8), dtype=dtype, device=device_type)
     try:
-        performer_gemm(q, q, q, GemmPlan(rowptr, 1), torch.zeros(16, 8, device=device_type)).sum().backward()
+        o, saved = _forward(q, q, q, torch.zeros(16, 8, device=device_type), plan, 1e-4)
+        _backward(saved, torch.ones_like(o), plan, 1e-4)
     except (RuntimeError, NotImplementedError) as exc:
         print(f"performer-gemm: grouped GEMMs refused on {device_type} for {dtype} "
               f"({str(exc).splitlines()[0][:160]}); bmm instead", file=sys.stderr)
