@@ -29,15 +29,12 @@ import torch
 from nt_kernels.csr import NeighbourhoodCSR
 from nt_kernels.data.datasets import load_dataset
 from nt_kernels.performer import switch_threshold
+from performer_flash_model import rup, window_bytes  # scripts/: the flash model's helpers, shared
 
 CHUNK, TILE, FRAG = 256, 32, 16
 # H100 SXM roofs: dense tensor FLOP/s (bf16; TF32 is half), HBM copy bandwidth,
 # shared memory (132 SMs x 128 B/clk x 1.755 GHz), MUFU exp2 (132 x 16/clk x 1.755 GHz).
 ROOF = {"tc_bf16": 989e12, "tc_tf32": 494.5e12, "dram": 3.0e12, "smem": 29.7e12, "exp2": 3.7e12}
-
-
-def rup(n: int, k: int = FRAG) -> int:
-    return -(-n // k) * k
 
 
 def performer_segments(graph: str, data_root: str | None, dim: int, m: int) -> list[int]:
@@ -56,16 +53,6 @@ def tile_rows(sizes: list[int]) -> list[int]:
             rows = min(CHUNK, n - c0)
             out += [min(TILE, rows - t) for t in range(0, rows, TILE)]
     return out
-
-
-def window_bytes(dim: int, elem: int, heads: int) -> float:
-    """Mean bytes one row's cp.async vectors cover (16-byte vectors over a row that starts anywhere)."""
-    total = 0
-    for r in range(16):
-        for h in range(heads):
-            start = (r * heads + h) * dim * elem
-            total += rup(start % 16 + dim * elem, 16)
-    return total / (16 * heads)
 
 
 def per_tile(dim: int, m: int, elem: int, heads: int, nrows: int) -> dict[str, dict[str, float]]:

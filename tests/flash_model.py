@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from test_performer_cuda import pow2_scale, product  # the tensor-core model's, shared
+
 CHUNK, TILE, WARP_ROWS, FRAG, RUN = 256, 64, 16, 16, 4
 FWD_BLOCK = 4   # feature tiles per block of the online query maximum
 EPS = 1e-4
@@ -35,31 +37,6 @@ MUTANTS = ("keys: no rescale when a feature max rises", "keys: B (eps term) drop
            "queries: o' not rescaled by the online max", "queries: eps sum_f W' dropped",
            "backward: C not rescaled when L rises", "backward: h' not scaled by 2^(le - L)",
            "gradients: -c^2 (sum t) x term dropped", "key gradients: eps part of dv dropped")
-
-
-def pow2_scale(x):
-    """2^-e with x 2^-e in [0.5, 1) for finite x > 0, else 1 (elementwise), as the kernels' pow2_scale."""
-    x = torch.as_tensor(x, dtype=torch.float32)
-    ok = (x > 0) & torch.isfinite(x)
-    _, e = torch.frexp(torch.where(ok, x, torch.ones_like(x)))
-    return torch.where(ok, torch.ldexp(torch.ones_like(x), -e.clamp(-100, 100)), torch.ones_like(x))
-
-
-def tf32(x):
-    """x rounded to TF32 (10 mantissa bits, ties away from zero), as cvt.rna.tf32.f32."""
-    bits = x.contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
-
-
-def product(dtype):
-    """The tensor cores' product for ``dtype``: float32 accumulation of rounded operands, or 3xTF32."""
-    if dtype != torch.float32:
-        return lambda a, b: a @ b
-
-    def three_tf32(a, b):
-        a_big, b_big = tf32(a), tf32(b)
-        return tf32(a - a_big) @ b_big + a_big @ tf32(b - b_big) + a_big @ b_big
-    return three_tf32
 
 
 def rescale(a, b):

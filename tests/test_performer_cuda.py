@@ -408,10 +408,16 @@ def test_tensor_core_kernels_match_their_model(dim, m, dtype, monkeypatch):
     inputs: they differ only in the order of float32 sums inside a product and in exp2, so every
     output and gradient agrees to one unit in the last place of the dtype at max |model| (float32,
     3xTF32: 1e-5 of it).  This is what makes the model's CPU tests say something about the kernels."""
-    monkeypatch.setenv("NT_KERNELS_PERFORMER", "tc")
-    case = cast(make_case(CPU_SIZES, dim, m=m), DTYPES[dtype])
+    assert_kernels_match_model("tc", tensor_core_model, CPU_SIZES, dim, m, dtype, monkeypatch)
+
+
+def assert_kernels_match_model(impl, model_fn, sizes, dim, m, dtype, monkeypatch):
+    """The ``impl`` kernels and their CPU model on the same rounded inputs: every output and gradient within
+    one unit in the last place of the dtype at max |model| (float32, 3xTF32: 1e-5 of it)."""
+    monkeypatch.setenv("NT_KERNELS_PERFORMER", impl)
+    case = cast(make_case(sizes, dim, m=m), DTYPES[dtype])
     got = kernel_fwd_bwd(*case)
-    model = tensor_core_model(*(t.cpu() for t in case))
+    model = model_fn(*(t.cpu() for t in case))
     ulp = 1e-5 if dtype == "float32" else torch.finfo(DTYPES[dtype]).eps
     for name, a, b in zip(["o", "dq", "dk", "dv"], got, model):
         scale = b.double().abs().max().item()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from flash_model import CHUNK, FRAG, FWD_BLOCK, MUTANTS, TILE, WARP_ROWS, flash_model, row_groups
-from test_performer_cuda import DTYPES, EPS, assert_within_twice_baseline, cast, cuda_test, kernel_fwd_bwd, \
-    make_case
+from test_performer_cuda import DTYPES, EPS, assert_kernels_match_model, assert_within_twice_baseline, cast, \
+    cuda_test, make_case
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [0, 1, 218, 219, 700, 3000]
@@ -109,15 +109,7 @@ def test_flash_kernels_match_their_model(dtype, dim, m, monkeypatch):
     """The kernels and ``flash_model`` on the same rounded inputs differ only in the order of float32
     sums inside a product and in exp2: every output agrees to one unit in the last place of the
     dtype at max |model| (float32, 3xTF32: 1e-5 of it)."""
-    monkeypatch.setenv("NT_KERNELS_PERFORMER", "flash")
-    case = cast(make_case(SIZES, dim, m=m), DTYPES[dtype])
-    got = kernel_fwd_bwd(*case)
-    model = flash_model(*(t.cpu() for t in case))
-    ulp = 1e-5 if dtype == "float32" else torch.finfo(DTYPES[dtype]).eps
-    for name, a, b in zip(["o", "dq", "dk", "dv"], got, model):
-        scale = b.double().abs().max().item()
-        diff = (a.cpu().double() - b.double()).abs().max().item()
-        assert diff <= ulp * scale, f"{name}: kernel vs model {diff:.3e} > {ulp:.1e} x max|model| {scale:.3e}"
+    assert_kernels_match_model("flash", flash_model, SIZES, dim, m, dtype, monkeypatch)
 
 
 @cuda_test
