@@ -18,6 +18,13 @@ unless they set their own.  With torch's default (every core per process) two wo
 threads spun against each other: the flash model's tests, which run thousands of small products,
 took 20-70 s each instead of 1 s.  Tests of the threaded paths set their thread counts themselves
 (tests/test_cpu_kernels.py).
+
+Triton's interpreter re-patches ``triton.language`` at every call of a ``@triton.jit`` helper inside a
+kernel (a scan of the language modules' members each time, about a fifth of an interpreter test), though
+the launch has patched the same modules already (the kernel's, then each helper's the first time) and
+nothing is unpatched until the launch returns.  :func:`_skip_repatching_inside_a_launch` leaves out those
+repeats, so the interpreter computes exactly what it did; with a Triton whose interpreter lacks the names
+it wraps, nothing changes.
 """
 import getpass
 import os
@@ -36,6 +43,52 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{torch.backends.cpu.get_cpu_capability().lower()}"))
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _skip_repatching_inside_a_launch() -> None:
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or scope_type is None or executor is None:
+        return
+    grid_call = executor.__call__
+    patched = []  # per running launch: the language modules patched since it started
+    seen = {}
+
+    def languages(fn):
+        if fn not in seen:
+            seen[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        return seen[fn]
+
+    def patch_once(fn):
+        if patched and languages(fn) <= patched[-1]:
+            return scope_type()  # every module fn sees is patched already, and stays so until the launch ends
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1] |= languages(fn)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_once
+    executor.__call__ = launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        _skip_repatching_inside_a_launch()
+    except ImportError:  # no triton: nothing is interpreted
+        pass
 
 # Real graphs: $NT_KERNELS_DATA, else the shared data folder next to the checkout.
 os.environ.setdefault("NT_KERNELS_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data" / "heterophilous"))

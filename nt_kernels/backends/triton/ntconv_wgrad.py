@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import cast, mm
+from nt_kernels.backends.triton.common import INTERPRET, cast, mm
 from nt_kernels.backends.triton.ntconv_plan import PART_ROWS, weight_grad_tiles
 
 __all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "combine", "split_products", "store_partial",
@@ -47,6 +47,8 @@ __all__ = ["COMBINE_BLOCK", "COMBINE_SPLITS", "TL_DTYPES", "combine", "split_pro
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 COMBINE_BLOCK = 64    # output elements per combine program (w_qkv with C = 60: 172 programs)
+# Under the interpreter, whose programs run one after another at a fixed cost each: 11 programs for C = 60.
+COMBINE_BLOCK_INTERPRETED = 1024
 COMBINE_SPLITS = 64   # partials summed per step of the combine (512 splits: 8 steps)
 NUM_STAGES = 2        # software pipelining of the split kernel (at most 32 KB of shared memory: fits sm_89)
 ONES = tl.constexpr(16)  # columns of the ones block of the bias sums (the smallest tl.dot width)
@@ -175,6 +177,7 @@ def combine(partials, w_acc, b_acc) -> None:
     partials[:, :, n] when ``b_acc`` is given; partials is (splits, m, n + (b_acc is not None)) fp32."""
     splits, m, width = partials.shape
     has_bias = b_acc is not None
-    _combine_kernel[(triton.cdiv(m * width, COMBINE_BLOCK),)](
+    block = COMBINE_BLOCK_INTERPRETED if INTERPRET else COMBINE_BLOCK
+    _combine_kernel[(triton.cdiv(m * width, block),)](
         partials, w_acc, w_acc if b_acc is None else b_acc, splits, m, width - has_bias, HAS_BIAS=has_bias,
-        BLOCK_S=COMBINE_SPLITS, BLOCK=COMBINE_BLOCK, num_warps=4)
+        BLOCK_S=COMBINE_SPLITS, BLOCK=block, num_warps=4)
