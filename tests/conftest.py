@@ -23,8 +23,9 @@ Triton's interpreter re-patches ``triton.language`` at every call of a ``@triton
 kernel (a scan of the language modules' members each time, about a fifth of an interpreter test), though
 the launch has patched the same modules already (the kernel's, then each helper's the first time) and
 nothing is unpatched until the launch returns.  :func:`_skip_repatching_inside_a_launch` leaves out those
-repeats, so the interpreter computes exactly what it did; with a Triton whose interpreter lacks the names
-it wraps, nothing changes.
+repeats, and memoises its map from Triton to numpy dtypes (a pure function that rebuilds its table at
+each of its hundreds of thousands of calls), so the interpreter computes exactly what it did; with a
+Triton whose interpreter lacks the names it wraps, nothing changes.
 """
 import getpass
 import os
@@ -46,6 +47,7 @@ if not HAS_CUDA:
 
 
 def _skip_repatching_inside_a_launch() -> None:
+    import functools
     import inspect
 
     import triton.language as tl
@@ -82,6 +84,19 @@ def _skip_repatching_inside_a_launch() -> None:
 
     interpreter._patch_lang = patch_once
     executor.__call__ = launch
+
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:  # a pure map from Triton to numpy dtypes that rebuilds its table at each call
+        element = functools.lru_cache(maxsize=None)(np_dtype)
+
+        def np_dtype_of(tt_dtype):  # a block's numpy dtype is its element's
+            base = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+            try:
+                return element(base)
+            except TypeError:  # not hashable
+                return np_dtype(tt_dtype)
+
+        interpreter._get_np_dtype = np_dtype_of
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
