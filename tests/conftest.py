@@ -46,6 +46,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+INTERPRETER_ORIGINALS: dict = {}  # what _skip_repatching_inside_a_launch replaced (tests/test_triton.py restores them)
+
+
 def _skip_repatching_inside_a_launch() -> None:
     import functools
     import inspect
@@ -82,6 +85,7 @@ def _skip_repatching_inside_a_launch() -> None:
         finally:
             patched.pop()
 
+    INTERPRETER_ORIGINALS.update({"_patch_lang": patch_lang, "GridExecutor.__call__": grid_call})
     interpreter._patch_lang = patch_once
     executor.__call__ = launch
 
@@ -96,6 +100,7 @@ def _skip_repatching_inside_a_launch() -> None:
             except TypeError:  # not hashable
                 return np_dtype(tt_dtype)
 
+        INTERPRETER_ORIGINALS["_get_np_dtype"] = np_dtype
         interpreter._get_np_dtype = np_dtype_of
 
 

@@ -400,6 +400,25 @@ def test_combine_has_one_signature_whatever_the_weight_and_split_counts():
     assert len(rec.triton) == 8 and len(seen) == 2, sorted(seen)
 
 
+def test_combine_gives_the_same_bits_whatever_its_block(monkeypatch):
+    """The combine's elements per program (64 on GPUs, COMBINE_BLOCK_INTERPRETED under the interpreter)
+    change how its outputs are cut into programs, not what each sums: the same bits with 64 (here 49 programs,
+    the last partial) as with the interpreter's block."""
+    from nt_kernels.backends.triton import ntconv_wgrad
+
+    gen = torch.Generator().manual_seed(1)
+    partials = torch.randn(7, 48, 65, generator=gen)
+    results = []
+    for block in (ntconv_wgrad.COMBINE_BLOCK_INTERPRETED, ntconv_wgrad.COMBINE_BLOCK):
+        monkeypatch.setattr(ntconv_wgrad, "COMBINE_BLOCK_INTERPRETED", block)
+        w_acc, b_acc = torch.ones(48, 64), torch.ones(48)
+        ntconv_wgrad.combine(partials, w_acc, b_acc)
+        results.append((w_acc, b_acc))
+    (w_wide, b_wide), (w_64, b_64) = results
+    assert torch.allclose(w_wide, 1 + partials[..., :64].sum(0), atol=1e-5)
+    assert torch.equal(w_wide, w_64) and torch.equal(b_wide, b_64)
+
+
 def test_the_signature_check_sees_an_unsigned_seed(monkeypatch):
     """With the seed word passed unsigned (as before issue 27) the prologue gets a second signature
     (i64 for words >= 2**31): the check above can fail."""
