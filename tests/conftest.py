@@ -46,7 +46,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-INTERPRETER_ORIGINALS: dict = {}  # what _skip_repatching_inside_a_launch replaced (tests/test_triton.py restores them)
+INTERPRETER_ORIGINALS: list = []  # (owner, name, original) that _skip_repatching_inside_a_launch replaced
 
 
 def _skip_repatching_inside_a_launch() -> None:
@@ -85,7 +85,7 @@ def _skip_repatching_inside_a_launch() -> None:
         finally:
             patched.pop()
 
-    INTERPRETER_ORIGINALS.update({"_patch_lang": patch_lang, "GridExecutor.__call__": grid_call})
+    INTERPRETER_ORIGINALS.extend([(interpreter, "_patch_lang", patch_lang), (executor, "__call__", grid_call)])
     interpreter._patch_lang = patch_once
     executor.__call__ = launch
 
@@ -100,7 +100,7 @@ def _skip_repatching_inside_a_launch() -> None:
             except TypeError:  # not hashable
                 return np_dtype(tt_dtype)
 
-        INTERPRETER_ORIGINALS["_get_np_dtype"] = np_dtype
+        INTERPRETER_ORIGINALS.append((interpreter, "_get_np_dtype", np_dtype))
         interpreter._get_np_dtype = np_dtype_of
 
 
