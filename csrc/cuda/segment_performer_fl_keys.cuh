@@ -147,8 +147,12 @@ __device__ __forceinline__ void keys_step(const Geometry& g, const FlDims& d, co
   float mnew[2];
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
+    // Every lane takes part in the quad maximum (its shuffles name the whole warp); only then
+    // does the feature decide.  Taken only by lanes with f < m, the shuffles diverge within the
+    // warp wherever m is not a multiple of 8, and the H200 run of 2026-11-28 hung there.
+    const float tile_max = g.proj_scale * quad_max(mx[hi]);
     const int f = f0 + 8 * hi;
-    mnew[hi] = f < d.m ? fmaxf(st.mrun[j][hi], g.proj_scale * quad_max(mx[hi])) : (f == d.m ? 0.f : -INFINITY);
+    mnew[hi] = f < d.m ? fmaxf(st.mrun[j][hi], tile_max) : (f == d.m ? 0.f : -INFINITY);
   }
   st.acc.scale_rows(j, performer::rescale(st.mrun[j][0], mnew[0]), performer::rescale(st.mrun[j][1], mnew[1]));
   st.mrun[j][0] = mnew[0], st.mrun[j][1] = mnew[1];
