@@ -144,6 +144,85 @@ def check_dry_run(tmp_path_factory):
     return tmp, result
 
 
+HUNG_TESTS = """
+import time
+import pytest
+
+@pytest.mark.parametrize("i", range(4))
+def test_rows(i):
+    if i == 1:
+        time.sleep(120)  # a hung kernel
+    assert i >= 0
+
+def test_long_message():
+    raise RuntimeError("HEAD " + "x" * 5000 + " TAIL")
+"""
+
+
+def test_stage_3_watchdog_ends_a_hung_test_and_the_rest_run(tmp_path):
+    """gpu_pytest_stream.py: a test past GPU_TEST_TIMEOUT has its worker ended with every thread's stack
+    in hang-<worker>.log; xdist reports it as crashed and a fresh worker runs the rest; a long failure
+    message keeps its head (the error's name) as well as its tail (gpu_check_summary.py reads both)."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_hung.py").write_text(HUNG_TESTS)
+    (tmp_path / "json").mkdir()
+    env = dict(os.environ, GPU_TEST_TIMEOUT="4", GPU_TESTS_STREAM=str(tmp_path / "stream.log"),
+               GPU_TESTS_JSON=str(tmp_path / "json" / "tests.jsonl"),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "scripts" / "gpu"), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_pytest_stream", "-p", "no:cacheprovider",
+                             "-q", "-n", "2", "--dist", "worksteal", "test_hung.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 1, result.stdout[-2000:]
+    outcomes = {r["id"].split("::")[1]: r for r in map(json.loads, (tmp_path / "json" / "tests.jsonl").open())}
+    assert {k: r["outcome"] for k, r in outcomes.items()} == {
+        "test_rows[0]": "passed", "test_rows[1]": "crashed", "test_rows[2]": "passed", "test_rows[3]": "passed",
+        "test_long_message": "failed"}
+    assert "crashed while running" in outcomes["test_rows[1]"]["message"]
+    message = outcomes["test_long_message"]["message"]
+    assert "RuntimeError: HEAD" in message and "TAIL" in message and len(message) <= 3000
+    hangs = [p.read_text() for p in (tmp_path / "json").glob("hang-*.log")]
+    assert sum("Timeout (0:00:04)!" in h and "test_hung.py\", line 8 in test_rows" in h for h in hangs) == 1
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    try:
+        import gpu_check_summary
+    finally:
+        sys.path.pop(0)
+    summary = gpu_check_summary.test_outcomes(str(tmp_path))
+    assert summary["outcomes"] == {"passed": 3, "crashed": 1, "failed": 1}
+    assert len(summary["hang_logs"]) == 1
+    assert sum(f.startswith("[crashed] test_hung.py::test_rows[1]") for f in summary["failed"]) == 1
+
+
+PROFILE_WITH_HANG = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import gpu_profile
+def fake(args, variant, device):
+    if variant == sys.argv[2]:
+        time.sleep(120)  # a hung kernel
+    return {"variant": variant, "status": "ok", "step_ms": 1.0}
+gpu_profile.profile_variant = fake
+gpu_profile.print_variant = lambda entry, device: None
+sys.exit(gpu_profile.main(["--device", "cpu", "--variants", "fused,fused:flash,unfused", "--json", sys.argv[3],
+                           "--resume", "--variant-timeout", "3"]))
+"""
+
+
+def test_layer_stage_records_a_hung_variant_and_resumes_after_it(tmp_path):
+    """gpu_profile.py --variant-timeout: a variant that hangs is in the JSON as a timeout and ends the
+    process; --resume (the next process of gpu_perf.sh's layer stage) runs only the variants after it."""
+    script, out = tmp_path / "hang.py", tmp_path / "layer.json"
+    script.write_text(PROFILE_WITH_HANG)
+    first = run([sys.executable, str(script), str(ROOT / "scripts" / "gpu"), "fused:flash", str(out)])
+    assert first.returncode != 0 and "Timeout (0:00:03)!" in first.stderr
+    assert [(e["variant"], e["status"]) for e in json.loads(out.read_text())["variants"]] == [
+        ("fused", "ok"), ("fused:flash", "timeout: not finished in 3 s")]
+    second = run([sys.executable, str(script), str(ROOT / "scripts" / "gpu"), "none", str(out)])
+    assert second.returncode == 1, second.stderr[-2000:]  # not every variant is ok
+    assert [(e["variant"], e["status"]) for e in json.loads(out.read_text())["variants"]] == [
+        ("fused", "ok"), ("fused:flash", "timeout: not finished in 3 s"), ("unfused", "ok")]
+
+
 @pytest.mark.xdist_group("check_dry_run")  # the module fixture check_dry_run once, on one worker
 def test_gpu_check_dry_run(check_dry_run):
     tmp, result = check_dry_run

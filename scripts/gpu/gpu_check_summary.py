@@ -51,8 +51,9 @@ def test_outcomes(work: str) -> dict:
             r = json.loads(line)
             done[r["id"]] = r
             tests["outcomes"][r["outcome"]] = tests["outcomes"].get(r["outcome"], 0) + 1
-            if r["outcome"] == "failed":
-                tests["failed"].append(f"{r['id']}: {r.get('message', '')[:300]}")
+            if r["outcome"] in ("failed", "error", "crashed"):  # crashed: the watchdog ended its worker
+                tag = "" if r["outcome"] == "failed" else f"[{r['outcome']}] "
+                tests["failed"].append(f"{tag}{r['id']}: {r.get('message', '')[:300]}")
         tests["slowest"] = [f"{r['id']} {r['seconds']:.1f} s"
                             for r in sorted(done.values(), key=lambda r: -r["seconds"])[:10]]
     collected = f"{work}/json/tests-collected.txt"
@@ -60,6 +61,9 @@ def test_outcomes(work: str) -> dict:
         ids = [line.strip() for line in open(collected) if line.strip()]
         tests["collected"] = len(ids)
         tests["unfinished"] = [i for i in ids if i not in done]
+    # the watchdog's Python stacks of tests past their limit (gpu_pytest_stream.py), per worker
+    tests["hang_logs"] = sorted(os.path.basename(p) for p in glob.glob(f"{work}/json/hang-*.log")
+                                if "Thread 0x" in open(p).read())
     return tests
 
 

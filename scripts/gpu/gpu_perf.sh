@@ -20,7 +20,8 @@
 #               on its default, its opt-in recompute path and streaming design, and unfused; "released" is
 #               the paper's released layer, unfused with Algorithm 1's padded groups): 3 warm-up + 5 timed steps
 #               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
-#               each (scripts/gpu/gpu_profile.py)
+#               each (scripts/gpu/gpu_profile.py); a variant past GPU_PERF_VARIANT_TIMEOUT (default 45 s:
+#               a hung kernel) is recorded as a timeout and the variants after it run in a fresh process
 #   2 steps     the same step, fused: Triton compiles in 20 steps after warm-up, host syncs of a warm
 #               step (sync debug mode "warn", each with its Python line), the whole step captured in a
 #               CUDA graph and replayed against eager steps (scripts/gpu/gpu_step_checks.py)
@@ -53,7 +54,7 @@ gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
 GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op,ncu}
 BUDGET=${GPU_PERF_BUDGET:-520}
 export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,fused:stream,unfused}
-export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers}
+export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers} GPU_PERF_VARIANT_TIMEOUT=${GPU_PERF_VARIANT_TIMEOUT:-45}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
 export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \
   GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-} GPU_PERF_PERFORMER_SHAPE=${GPU_PERF_PERFORMER_SHAPE:-}
@@ -104,10 +105,23 @@ stage_layer() {
   for graph in ${GPU_PERF_LAYER_GRAPHS//,/ }; do  # perf-layer.json for tolokers, perf-layer-<graph>.json else
     json=$WORK/json/perf-layer.json
     [ "$graph" = tolokers ] || json=$WORK/json/perf-layer-$graph.json
-    ntpy "$REPO/scripts/gpu/gpu_profile.py" --graph "$graph" "${args[@]}" --variants "$GPU_PERF_LAYER_VARIANTS" \
-      --json "$json" || rc=1
+    rm -f "$json"
+    # A variant past GPU_PERF_VARIANT_TIMEOUT (a hung kernel; none on the CPU) ends its process, and a
+    # fresh one resumes after it: at most one process per variant.
+    for _ in ${GPU_PERF_LAYER_VARIANTS//,/ }; do
+      ntpy "$REPO/scripts/gpu/gpu_profile.py" --graph "$graph" "${args[@]}" --variants "$GPU_PERF_LAYER_VARIANTS" \
+        --json "$json" --resume --variant-timeout "$(have_cuda && echo "$GPU_PERF_VARIANT_TIMEOUT" || echo 0)" || rc=1
+      layer_variants_left "$json" || break
+    done
   done
   return $rc
+}
+
+layer_variants_left() {  # layer_variants_left JSON: whether some variant of GPU_PERF_LAYER_VARIANTS is not in it
+  [ -f "$1" ] || return 1
+  ntpy -c "import json, os, sys
+have = {e['variant'] for e in json.load(open(sys.argv[1]))['variants']}
+sys.exit(0 if set(os.environ['GPU_PERF_LAYER_VARIANTS'].split(',')) - have else 1)" "$1"
 }
 
 stage_steps() {
@@ -213,7 +227,7 @@ stage_ncu() {
   head -40 "$WORK/logs/ncu-tables.md" 2>/dev/null
   return $rc
 }
-export -f stage_env stage_warm stage_layer stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant \
+export -f stage_env stage_warm stage_layer layer_variants_left stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant \
   install_site triton_cache_setup
 
 stage_done() {  # perf.json from every stage's JSON so far, and the table

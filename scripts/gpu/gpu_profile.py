@@ -17,6 +17,12 @@ and ``:tc`` / ``:simt`` / ``:flash`` / ``:gemm`` (``NT_KERNELS_PERFORMER``: the 
 ``performer-gemm``, the library-GEMM yardstick),
 e.g. ``--variants fused,fused:recompute,fused:recompute:tc,unfused``.
 
+``--variant-timeout S``: a variant still running after S seconds (a hung kernel) is recorded as
+"timeout" in the JSON, which is written before each variant starts, and ends the process (Python's
+faulthandler, which needs no GIL: a thread blocked in a CUDA call cannot stop it; every thread's
+stack goes to stderr).  ``--resume`` skips the variants the JSON already holds, so that
+scripts/gpu/gpu_perf.sh runs the ones after a hung variant in a fresh process.
+
 On a machine without CUDA (``--device cpu``, a dry run of the GPU script) the graphs are cut
 down (``build_graph(dry_run=True)``) and the table ranks CPU time instead.
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import statistics
@@ -175,12 +182,29 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--variant-timeout", type=float, default=0,
+                        help="seconds a variant may run before it is recorded as a timeout and the process ends "
+                             "(0: no limit)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the variants already in --json and run only the others")
     args = parser.parse_args(argv)
+    if args.resume and not args.json:
+        parser.error("--resume needs --json")
     device = torch.device(args.device)
     doc = {"graph": args.graph, "preset": vars(PRESETS[args.graph]), "dtype": args.dtype, "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "warmup": args.warmup, "repeats": args.repeats, "variants": []}
+    if args.resume and os.path.exists(args.json):
+        with open(args.json) as f:
+            doc["variants"] = json.load(f)["variants"]
+    done = {e["variant"] for e in doc["variants"]}
     for variant in args.variants.split(","):
+        if variant in done:
+            continue
+        doc["variants"].append({"variant": variant, "status": f"timeout: not finished in {args.variant_timeout:g} s"})
+        write_json(args.json, doc)  # what stays if the watchdog ends the process
+        if args.variant_timeout > 0:
+            faulthandler.dump_traceback_later(args.variant_timeout, exit=True)
         try:
             entry = profile_variant(args, variant, device)
         except Exception as exc:  # recorded, and the next variant still runs
@@ -188,10 +212,10 @@ def main(argv=None) -> int:
             print(f"\n== {variant}: {entry['status']}", flush=True)
         else:
             print_variant(entry, device)
-        doc["variants"].append(entry)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        doc["variants"][-1] = entry
+        write_json(args.json, doc)
     ok = [e for e in doc["variants"] if e.get("status") == "ok"]
     by = {e["variant"]: e for e in ok}
     if "unfused" in by:
@@ -201,10 +225,14 @@ def main(argv=None) -> int:
                 print(f"{name} vs unfused: {entry['speedup_vs_unfused']:.2f}x faster per step")
         if "fused" in by:
             doc["fused_speedup"] = by["fused"]["speedup_vs_unfused"]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_json(args.json, doc)
     return 0 if len(ok) == len(doc["variants"]) else 1
+
+
+def write_json(path, doc: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,18 @@ the test finishes, so that a run killed at any point keeps what it did.
   go to ``tests-collected.txt`` beside it, so that the tests a kill left unfinished can be listed.
 * ``$GPU_TESTS_WHOLE_FILES`` (file names): only the tests of these files, and tests marked
   ``cuda`` in the other files given, are run; the rest are deselected.
+* ``$GPU_TEST_TIMEOUT`` (seconds, default 90; ``$GPU_TEST_TIMEOUT_SLOW``, default 240, for the files of
+  ``$GPU_TEST_SLOW_FILES``, default test_mutants.py; 0: none): a watchdog per test in each xdist worker.
+  A test past its limit (a hung kernel: in the H200 run of 2026-11-28 hung flash Performer tests held
+  several workers until the stage's end, and 41 tests never ran) gets every thread's Python stack written to ``hang-<worker>.log`` beside
+  ``$GPU_TESTS_JSON`` and its worker ends (``faulthandler``, which needs no GIL); xdist reports the
+  test as crashed and starts a fresh worker for the rest.
 
 Lines are appended with one write each (O_APPEND), from the xdist controller only.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import time
@@ -20,7 +27,7 @@ import time
 import pytest
 
 START = time.time()
-_STATE = {"config": None, "collected": False, "counts": {}, "phases": {}}
+_STATE = {"config": None, "collected": False, "counts": {}, "phases": {}, "hang_log": None}
 
 
 def _append(path: str | None, text: str) -> None:
@@ -76,11 +83,47 @@ def pytest_xdist_node_collection_finished(node, ids):
     _collected(ids)
 
 
+def test_timeout(nodeid: str) -> float:
+    """The watchdog's limit for a test (0: none)."""
+    slow = os.environ.get("GPU_TEST_SLOW_FILES", "test_mutants.py").split()
+    if os.path.basename(nodeid.split("::")[0]) in slow:
+        return float(os.environ.get("GPU_TEST_TIMEOUT_SLOW", "240"))
+    return float(os.environ.get("GPU_TEST_TIMEOUT", "90"))
+
+
+def _hang_log(config):
+    """The worker's file for the stacks of a test past its limit (opened once, kept open)."""
+    if _STATE["hang_log"] is None:
+        target = os.environ.get("GPU_TESTS_JSON")
+        worker = config.workerinput.get("workerid", "main") if _is_worker(config) else "main"
+        folder = os.path.dirname(target) if target else "."
+        _STATE["hang_log"] = open(os.path.join(folder, f"hang-{worker}.log"), "a")
+    return _STATE["hang_log"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    limit = test_timeout(item.nodeid)
+    if limit <= 0:
+        yield
+        return
+    log = _hang_log(item.config)
+    log.write(f"{time.strftime('%H:%M:%S')} start {item.nodeid} (limit {limit:.0f} s)\n")
+    log.flush()
+    faulthandler.dump_traceback_later(limit, exit=True, file=log)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def _message(report) -> str:
+    """The failure's first line (exception and message, at most 800 characters: a long message's
+    head names the error) and the end of its traceback, at most 3,000 characters in all."""
     crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-    head = f"{crash.path}:{crash.lineno}: {crash.message}" if crash else ""
+    head = f"{crash.path}:{crash.lineno}: {crash.message}"[:800] if crash else ""
     tail = "\n".join(report.longreprtext.splitlines()[-15:]) if report.longrepr else ""
-    return (head + "\n" + tail).strip()[-3000:]
+    return (head + "\n" + tail[-(2999 - len(head)):]).strip()
 
 
 def pytest_runtest_logreport(report):
@@ -96,16 +139,18 @@ def pytest_runtest_logreport(report):
         outcome = "error" if report.failed else "skipped"
     elif report.when == "teardown" and report.failed:
         outcome = "error"
+    elif report.when not in ("setup", "call", "teardown") and report.failed:
+        outcome = "crashed"  # xdist's report of a test whose worker died (the watchdog, a fault)
     if outcome is None:
         return
     _STATE["counts"][outcome] = _STATE["counts"].get(outcome, 0) + 1
     worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
-    message = _message(report) if outcome in ("failed", "error") else ""
+    message = _message(report) if outcome in ("failed", "error", "crashed") else ""
     if outcome == "skipped" and isinstance(report.longrepr, tuple):
         message = str(report.longrepr[2])
     line = (f"+{time.time() - START:6.1f}s {outcome.upper():8s} {report.nodeid}  ({phases['seconds']:.2f} s)"
             f"{' [' + worker + ']' if worker else ''}\n")
-    if outcome in ("failed", "error"):
+    if outcome in ("failed", "error", "crashed"):
         line += "".join(f"    | {text}\n" for text in message.splitlines())
     _append(os.environ.get("GPU_TESTS_STREAM"), line)
     _append(os.environ.get("GPU_TESTS_JSON"), json.dumps({"id": report.nodeid, "outcome": outcome,
