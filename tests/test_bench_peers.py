@@ -42,14 +42,15 @@ def make_csr(sizes, device="cpu"):
     return csr if device == "cpu" else csr.to(device)
 
 
-def make_context(csr, *, dtype=torch.float64, projection=None, threshold=math.inf, cap=1e9):
-    return bb.Context(csr=csr, projection=projection, threshold=threshold, heads=H, head_dim=D, dtype=dtype,
+def make_context(csr, *, dtype=torch.float64, projection=None, threshold=math.inf, cap=1e9, head_dim=D):
+    return bb.Context(csr=csr, projection=projection, threshold=threshold, heads=H, head_dim=head_dim, dtype=dtype,
                       device=csr.rowptr.device, reference_max_edges=10_000, memory_cap_bytes=int(cap))
 
 
-def inputs(rows, dtype=torch.float64, device="cpu", seed=0):
+def inputs(rows, dtype=torch.float64, device="cpu", seed=0, head_dim=D):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(rows, H, D, generator=gen, dtype=dtype).to(device).requires_grad_(True) for _ in range(3)]
+    return [torch.randn(rows, H, head_dim, generator=gen, dtype=dtype).to(device).requires_grad_(True)
+            for _ in range(3)]
 
 
 def check_against(fn, expected_fn, q, k, v, *, atol):
@@ -121,17 +122,32 @@ def test_flex_forward_matches_the_reference():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["pyg-pairs", "nested", "flex"])
-def test_exact_peers_on_cuda(name):
+@pytest.mark.parametrize("name, head_dim", [("pyg-pairs", D), ("nested", D), ("flex", 16)],
+                         ids=["pyg-pairs", "nested", "flex"])
+def test_exact_peers_on_cuda(name, head_dim):
+    """flex at D = 16, the least its CUDA template takes (test_flex_peer_says_why_it_cannot_run)."""
     csr = make_csr([130, 0, 1, 300, 7, 128], device="cuda")
-    ctx = make_context(csr, dtype=torch.float32)
+    ctx = make_context(csr, dtype=torch.float32, head_dim=head_dim)
     backend = bb.Backend(name, name)
     if bb.skip_reason(backend, ctx) is not None:
         pytest.skip(bb.skip_reason(backend, ctx))
     assert bb.forward_only_reason(backend, ctx) is None
-    q, k, v = inputs(csr.num_edges, dtype=torch.float32, device="cuda", seed=2)
+    q, k, v = inputs(csr.num_edges, dtype=torch.float32, device="cuda", seed=2, head_dim=head_dim)
     check_against(bb.prepare(backend, ctx),
                   lambda q, k, v: ref.neighbourhood_attention(q, k, v, csr.rowptr), q, k, v, atol=1e-5)
+
+
+def test_flex_peer_says_why_it_cannot_run_small_head_dims_on_cuda():
+    """The H200 run of 2026-11-28 met Inductor's NotImplementedError at D = 4; the bench now says so
+    before it compiles (the context says cuda; nothing runs)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    backend = bb.Backend("flex", "flex")
+    ctx = make_context(make_csr(SIZES), dtype=torch.bfloat16, head_dim=8)
+    ctx.device = torch.device("cuda")
+    assert bb.skip_reason(backend, ctx) == ("unsupported: flex on cuda needs a head dim of at least 16 "
+                                            "(Inductor's Triton template: tl.dot), not 8")
+    ctx.head_dim = 16
+    assert bb.skip_reason(backend, ctx) is None
 
 
 @pytest.mark.parametrize("dtype, device, head_dim, says", [

@@ -142,6 +142,11 @@ def _probe_nested(device: torch.device) -> None:
     F.scaled_dot_product_attention(nested, nested, nested).transpose(1, 2).values().sum().backward()
 
 
+# Inductor lowers FlexAttention on CUDA to a Triton template whose tl.dot needs head dims of 16 or more
+# (torch/_inductor/kernel/flex/flex_attention.py raises NotImplementedError below it).
+FLEX_CUDA_MIN_HEAD_DIM = 16
+
+
 def _probe_flex(device: torch.device) -> None:
     from torch.nn.attention.flex_attention import flex_attention  # noqa: F401  (ImportError: no FlexAttention)
 
@@ -209,6 +214,9 @@ def skip_reason(backend: Backend, ctx: Context) -> str | None:
         reason = _probe(backend.family, ctx.device)
         if reason is not None:
             return f"unsupported: {backend.family} on {ctx.device.type} in torch {torch.__version__} ({reason})"
+    if backend.family == "flex" and ctx.device.type == "cuda" and ctx.head_dim < FLEX_CUDA_MIN_HEAD_DIM:
+        return (f"unsupported: flex on cuda needs a head dim of at least {FLEX_CUDA_MIN_HEAD_DIM} (Inductor's "
+                f"Triton template: tl.dot), not {ctx.head_dim}")
     estimate = estimate_bytes(backend, ctx)
     if estimate is not None and estimate > ctx.memory_cap_bytes:
         return f"skipped: est. {estimate / 1e9:.1f} GB > cap {ctx.memory_cap_bytes / 1e9:.1f} GB"
