@@ -21,8 +21,8 @@
 #            streamed to 2-check.log as it is computed, with its seconds
 #   3 tests  one pytest over the CUDA test files and every -m cuda test elsewhere (pytest-xdist,
 #            one worker per core, work stealing); scripts/gpu/gpu_pytest_stream.py writes one line
-#            per test to 3-tests.log as it finishes (failure messages included); the files include
-#            tests/test_mutants.py, the mutation harness over the CUDA Performer and compiled Triton
+#            per test to 3-tests.log as it finishes (failures included; a hung test's worker ends
+#            at GPU_TEST_TIMEOUT, 90 s); the files include tests/test_mutants.py (mutation harness)
 #   4 bench  only when asked (GPU_CHECK_STAGES=2,3,4; its own budget GPU_BENCH_BUDGET, 240 s):
 #            the op benchmarks of the first run (scripts/gpu/gpu_perf.sh is the performance probe)
 #   5 sanitize  (issues 28, 42) compute-sanitizer's memcheck, racecheck and initcheck over
