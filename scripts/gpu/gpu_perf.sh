@@ -29,9 +29,9 @@
 #               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
 #   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
 #               (scripts/gpu/gpu_measure.py roofline)
-#   6 ncu       Nsight Compute over one warm tolokers layer,
-#               forward + backward, per variant of GPU_NCU_VARIANTS (default fused,fused:recompute:tc: the
-#               default and the candidate path), the first with a 1 GiB copy and a cuBLAS GEMM for
+#   6 ncu       Nsight Compute over one warm tolokers layer, forward + backward, per variant of
+#               GPU_NCU_VARIANTS (default fused,fused:recompute:tc: the default and the candidate path;
+#               each an equal share of the stage), the first with a 1 GiB copy and a cuBLAS GEMM for
 #               calibration (scripts/gpu/gpu_ncu.py layer); kernel replay, --clock-control none,
 #               --import-source yes, --set detailed; the raw, details and source pages as CSV and
 #               the per-kernel tables (logs/ncu-tables.md: scripts/gpu/gpu_ncu.py table) in results.tar.gz
@@ -180,13 +180,14 @@ ncu_variant() {
   local profile=(--profile-from-start off --replay-mode kernel --clock-control none --import-source yes
                  --set detailed -f -o "$rep")
   mkdir -p "$dir" "$WORK/ncu-reports"
-  (cd "$WORK" && "$NCU" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" metrics)" "$PY" -P \
+  local ncu=(timeout --kill-after=5 "${NCU_RUN_LIMIT:-100000}" "$NCU")  # its share of the stage (stage_ncu)
+  (cd "$WORK" && "${ncu[@]}" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" metrics)" "$PY" -P \
     "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
   rc=$?
   if [ $rc -ne 0 ] && grep -qi "metric" "$dir/run-$label.log"; then
     echo "-- $variant: ncu refused the metric list (run-$label.log); again with the sections' metrics"
-    (cd "$WORK" && "$NCU" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") \
-      >>"$dir/run-$label.log" 2>&1
+    (cd "$WORK" && "${ncu[@]}" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" \
+      "$@") >>"$dir/run-$label.log" 2>&1
     rc=$?
   fi
   grep -E "gpu_ncu layer|==ERROR==|==WARNING==" "$dir/run-$label.log" | head -5
@@ -215,11 +216,19 @@ stage_ncu() {
   [ -n "$NCU" ] || { echo "SKIP ncu: not on PATH (set NCU to its path)"; return 1; }
   export NCU
   "$NCU" --version | tail -1
+  # Each variant's profiled program gets an equal share of what is left (20 s of it kept for its exports):
+  # a variant that hangs (the flash Performer on 2026-11-28) leaves the next its time.
+  local stage_end=$(( $(date +%s) + STAGE_LIMIT - 10 )) left
+  left=$(wc -w <<<"${GPU_NCU_VARIANTS//,/ }")
   for variant in ${GPU_NCU_VARIANTS//,/ }; do
     calib=()
     [ $first = 1 ] && calib=(--calibrate)
     first=0
-    echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left"
+    NCU_RUN_LIMIT=$(( (stage_end - $(date +%s)) / left - 20 ))
+    export NCU_RUN_LIMIT=$(( NCU_RUN_LIMIT < 10 ? 10 : NCU_RUN_LIMIT ))  # timeout 0 would mean none
+    left=$(( left - 1 ))
+    echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left," \
+      "${NCU_RUN_LIMIT} s for its program"
     ncu_variant "$variant" "${calib[@]}" || rc=1
   done
   ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" >/dev/null \
