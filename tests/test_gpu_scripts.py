@@ -193,6 +193,24 @@ def test_stage_3_watchdog_ends_a_hung_test_and_the_rest_run(tmp_path):
     assert sum(f.startswith("[crashed] test_hung.py::test_rows[1]") for f in summary["failed"]) == 1
 
 
+def test_stage_3_runs_the_tests_longest_first_by_earlier_runs(tmp_path):
+    """gpu_pytest_stream.py with GPU_TESTS_DURATIONS: the recorded seconds order the tests (later files win);
+    a test no run recorded counts 100 s in test_mutants.py, 1 s elsewhere; the sort is stable."""
+    (tmp_path / "test_a.py").write_text("".join(f"def test_{n}():\n    pass\n" for n in "pqrs"))
+    (tmp_path / "test_mutants.py").write_text("def test_m():\n    pass\n")
+    old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    old.write_text(json.dumps({"id": "test_a.py::test_q", "seconds": 500.0}) + "\n")
+    new.write_text("".join(json.dumps({"id": f"test_a.py::test_{n}", "seconds": t}) + "\n"
+                           for n, t in [("q", 2.0), ("r", 300.0)]))
+    env = dict(os.environ, GPU_TESTS_DURATIONS=f"{old} {new} {tmp_path / 'missing.jsonl'}",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "scripts" / "gpu"), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_pytest_stream", "-p", "no:cacheprovider",
+                             "--collect-only", "-q", "test_a.py", "test_mutants.py"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    order = [line.split("::")[1] for line in result.stdout.splitlines() if "::" in line]
+    assert order == ["test_r", "test_m", "test_q", "test_p", "test_s"], result.stdout
+
+
 PROFILE_WITH_HANG = """
 import sys, time
 sys.path.insert(0, sys.argv[1])

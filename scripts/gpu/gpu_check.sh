@@ -19,10 +19,9 @@
 #            parallel, with the keys the real launches compute); 2b the check in 16 shards
 #            (by head dim, tolokers by dtype, the fused-layer suite by head dim), every row
 #            streamed to 2-check.log as it is computed, with its seconds
-#   3 tests  one pytest over the CUDA test files and every -m cuda test elsewhere (pytest-xdist,
-#            one worker per core, work stealing); scripts/gpu/gpu_pytest_stream.py writes one line
-#            per test to 3-tests.log as it finishes (failures included; a hung test's worker ends
-#            at GPU_TEST_TIMEOUT, 90 s); the files include tests/test_mutants.py (mutation harness)
+#   3 tests  one pytest over the CUDA test files (test_mutants.py too) and every -m cuda test elsewhere
+#            (xdist, a worker per core, longest first); gpu_pytest_stream.py writes one line per test to
+#            3-tests.log as it ends (a hung test's worker ends at GPU_TEST_TIMEOUT, 90 s)
 #   4 bench  only when asked (GPU_CHECK_STAGES=2,3,4; its own budget GPU_BENCH_BUDGET, 240 s):
 #            the op benchmarks of the first run (scripts/gpu/gpu_perf.sh is the performance probe)
 #   5 sanitize  (issues 28, 42) compute-sanitizer's memcheck, racecheck and initcheck over
@@ -137,13 +136,14 @@ stage_tests() {
   for f in $CUDA_TEST_FILES $(cd "$REPO/tests" && grep -l "mark.cuda" test_*.py); do
     [[ " ${files[*]} " == *" $REPO/tests/$f "* ]] || files+=("$REPO/tests/$f")
   done
-  ntpy -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-$(nproc)}" --dist worksteal)
+  ntpy -c "import xdist" 2>/dev/null && workers=(-n "${GPU_TEST_WORKERS:-$(nproc)}" --dist load)
   if ! have_cuda; then
     echo "SKIP CUDA tests (no CUDA device): the same pytest run on CPU over tests/test_segment_table.py"
     echo "and the -m cuda tests elsewhere (skipped without CUDA)"
     whole=test_segment_table.py
   fi
   echo "pytest ${workers[*]:-(one process)} over ${#files[@]} files; one line per test below as it finishes"
+  GPU_TESTS_DURATIONS="${GPU_TESTS_DURATIONS-$(ls "$REPO"/bench/results/gpu-runs/*/check/tests.jsonl 2>/dev/null)}" \
   GPU_TESTS_WHOLE_FILES=$whole GPU_TESTS_STREAM=$STREAM_LOG GPU_TESTS_JSON="$WORK/json/tests.jsonl" \
     ntpy -m pytest -p gpu_pytest_stream -p no:cacheprovider -q -rfE "${workers[@]}" \
     --junitxml="$WORK/json/tests.xml" "${files[@]}" >"$WORK/logs/pytest.log" 2>&1

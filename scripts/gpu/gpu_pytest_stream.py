@@ -8,6 +8,11 @@ the test finishes, so that a run killed at any point keeps what it did.
   go to ``tests-collected.txt`` beside it, so that the tests a kill left unfinished can be listed.
 * ``$GPU_TESTS_WHOLE_FILES`` (file names): only the tests of these files, and tests marked
   ``cuda`` in the other files given, are run; the rest are deselected.
+* ``$GPU_TESTS_DURATIONS`` (tests.jsonl files of earlier GPU runs, space-separated, later ones win): the
+  tests are run longest first, by the seconds those runs took (a test they lack: 100 s in the files of
+  ``$GPU_TEST_SLOW_FILES``, else 1 s), so that with ``--dist load`` the long tests start at once, side by
+  side, instead of last (the 2026-11-28 run's 139 s mutation test started at 40 s and most of the
+  others after the stage's end).
 * ``$GPU_TEST_TIMEOUT`` (seconds, default 90; ``$GPU_TEST_TIMEOUT_SLOW``, default 240, for the files of
   ``$GPU_TEST_SLOW_FILES``, default test_mutants.py; 0: none): a watchdog per test in each xdist worker.
   A test past its limit (a hung kernel: in the H200 run of 2026-11-28 hung flash Performer tests held
@@ -50,16 +55,35 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     whole = os.environ.get("GPU_TESTS_WHOLE_FILES")
-    if whole is None:
-        return
-    names = set(whole.split())
-    keep, drop = [], []
-    for item in items:
-        in_whole = os.path.basename(str(item.path)) in names
-        (keep if in_whole or item.get_closest_marker("cuda") else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    if whole is not None:
+        names = set(whole.split())
+        keep, drop = [], []
+        for item in items:
+            in_whole = os.path.basename(str(item.path)) in names
+            (keep if in_whole or item.get_closest_marker("cuda") else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    paths = os.environ.get("GPU_TESTS_DURATIONS", "").split()
+    if paths:  # the same order in every xdist worker: a stable sort on committed numbers
+        seconds = recorded_seconds(paths)
+        items.sort(key=lambda item: -seconds.get(item.nodeid, guessed_seconds(item.nodeid)))
+
+
+def recorded_seconds(paths: list[str]) -> dict[str, float]:
+    """Test id -> seconds, from tests.jsonl files of earlier runs (later files win; missing files skipped)."""
+    seconds = {}
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                seconds.update((r["id"], float(r["seconds"])) for r in map(json.loads, f) if r.get("seconds"))
+    return seconds
+
+
+def guessed_seconds(nodeid: str) -> float:
+    """A test no earlier run recorded: long in the slow files (test_mutants.py), else short."""
+    slow = os.environ.get("GPU_TEST_SLOW_FILES", "test_mutants.py").split()
+    return 100.0 if os.path.basename(nodeid.split("::")[0]) in slow else 1.0
 
 
 def _collected(ids) -> None:
@@ -85,8 +109,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 def test_timeout(nodeid: str) -> float:
     """The watchdog's limit for a test (0: none)."""
-    slow = os.environ.get("GPU_TEST_SLOW_FILES", "test_mutants.py").split()
-    if os.path.basename(nodeid.split("::")[0]) in slow:
+    if guessed_seconds(nodeid) > 1.0:  # a test of the slow files
         return float(os.environ.get("GPU_TEST_TIMEOUT_SLOW", "240"))
     return float(os.environ.get("GPU_TEST_TIMEOUT", "90"))
 
