@@ -191,7 +191,7 @@ stage_sanitize() {
   local tool tools=(memcheck racecheck initcheck) limit failed=0
   if ! have_cuda; then
     echo "SKIP compute-sanitizer (no CUDA device): the workloads on CPU (the CPU op), to catch script errors"
-    TRITON_INTERPRET=0 ntpy "$REPO/scripts/gpu/gpu_sanitize.py" --device cpu 2>&1 | grep -v "^  ok "
+    TRITON_INTERPRET=0 ntpy "$REPO/scripts/gpu/gpu_sanitize.py" --device cpu --part fused,performer,flash 2>&1 | grep -v "^  ok "
     return "${PIPESTATUS[0]}"
   fi
   if ! command -v compute-sanitizer >/dev/null; then
@@ -199,9 +199,9 @@ stage_sanitize() {
     return 1
   fi
   # memcheck and racecheck run the CUDA Performer first (its kernels share memory between threads), then the
-  # fused op; initcheck the other way round.
-  declare -A share=([memcheck]=2 [racecheck]=2 [initcheck]=1) order=([memcheck]=performer,fused
-                    [racecheck]=performer,fused [initcheck]=fused,performer) pids=()
+  # fused op; initcheck the other way round; the flash Performer (opt-in, hung once) last in all three.
+  declare -A share=([memcheck]=2 [racecheck]=2 [initcheck]=1) order=([memcheck]=performer,fused,flash
+                    [racecheck]=performer,fused,flash [initcheck]=fused,performer,flash) pids=()
   if [ "${GPU_SANITIZE_CONCURRENT:-0}" = 1 ]; then  # beside the check and the tests: one core per tool
     for tool in "${tools[@]}"; do
       limit=$(( SANITIZE_DEADLINE - $(date +%s) ))

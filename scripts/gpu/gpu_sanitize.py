@@ -12,7 +12,9 @@ run under the sanitizer that finishes also says whether the numbers were right:
 * ``performer``: ``segment_performer_attention`` forward and backward on segments of 1 to 700 rows (a hub
   split into 256-row chunks) for each implementation: SIMT (``NT_KERNELS_PERFORMER=simt``) in float32,
   bfloat16 and float16, and the tensor-core kernels (``=tc``): WMMA in bfloat16 / float16, 3xTF32 in
-  float32.
+  float32;
+* ``flash``: the same for the FlashAttention-2-style kernels (``=flash``, opt-in) in bfloat16, float16
+  and float32 (3xTF32), a part of its own so that gpu_check.sh can run it last (their first GPU run hung).
 
     compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/gpu/gpu_sanitize.py
     python scripts/gpu/gpu_sanitize.py --device cpu          # a dry run on CPU: the CPU op, no CUDA kernel
@@ -131,7 +133,9 @@ def run_fused(device) -> bool:
     return ok
 
 
-def run_performer(device) -> bool:
+def run_performer(device, impls=None) -> bool:
+    """The CUDA Performer's kernels against the CPU op: each (implementation, dtype) of ``impls`` (default
+    SIMT in float32 / bfloat16 / float16, then the tensor cores in bfloat16 / float16 / float32)."""
     ok = True
     gen = torch.Generator().manual_seed(5)
     sizes = torch.tensor([0, 1, 2, 37, 256, 257, 700])
@@ -139,8 +143,9 @@ def run_performer(device) -> bool:
     rows = int(rowptr[-1])
     base = [torch.randn(rows, HEADS, DIM, generator=gen) for _ in range(4)]
     projection = nk.orthogonal_random_features(FEATURES, DIM, generator=gen)
-    impls = [("simt", d) for d in (torch.float32, torch.bfloat16, torch.float16)]
-    impls += [("tc", d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+    if impls is None:
+        impls = [("simt", d) for d in (torch.float32, torch.bfloat16, torch.float16)]
+        impls += [("tc", d) for d in (torch.bfloat16, torch.float16, torch.float32)]
     for impl, dtype in impls:
         print(f"performer {impl} {dtype}: segments of {sizes.tolist()} rows")
         os.environ["NT_KERNELS_PERFORMER"] = impl
@@ -162,12 +167,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--part", default="fused,performer",
-                        help="comma list of fused and performer, run in that order (default fused,performer)")
+                        help="comma list of fused, performer and flash, run in that order (default fused,performer)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device (use --device cpu for a dry run)")
-    parts = {"fused": run_fused, "performer": run_performer}
+    flash = [("flash", d) for d in (torch.bfloat16, torch.float16, torch.float32)]
+    parts = {"fused": run_fused, "performer": run_performer, "flash": lambda dev: run_performer(dev, flash)}
     names = args.part.split(",")
     if not names or any(n not in parts for n in names):
         parser.error(f"--part: expected a comma list of {sorted(parts)}, got {args.part!r}")
