@@ -20,8 +20,8 @@
 #    instructions; their divides are not gated);
 # 3. every csrc/cuda/*_binding.cpp is syntax-checked with the host compiler
 #    against torch's headers (when torch is importable) and the CUDA headers;
-# 0. (first, no compiler) no warp collective (__shfl*, __ballot_sync, the quad / column
-#    reductions built on them) is an operand of a conditional expression (`?` on its
+# 0. (first, no compiler) no warp or block collective (__shfl*, __ballot_sync, __syncthreads,
+#    the reductions built on them) is an operand of a conditional expression (`?` on its
 #    line): the lanes that skip it leave the shuffle of the others waiting (the flash
 #    keys pass hung that way on an H200, 2026-11-28).
 #
@@ -40,7 +40,7 @@ for a in "${ARCH_NAMES[@]}"; do ARCHS+=(-gencode "arch=compute_${a#sm_},code=$a"
 TC_KERNELS_PER_ARCH=24  # 8 tensor-core kernels x (__half, __nv_bfloat16, float)
 FL_KERNELS_PER_ARCH=30  # flash: 12 x (__half, __nv_bfloat16) + 6 x float
 FL_MIN_WARPS=8          # resident warps per SM the flash kernels' registers must allow on sm_90
-collective='(__shfl[a-z_]*|__ballot_sync|quad_max|quad_sum|column_max)[[:space:]]*\('
+collective='(__shfl[a-z_]*|__ballot_sync|__syncthreads|quad_max|quad_sum|column_max|row_max|row_sum|group_sum|block_max)[[:space:]]*\('
 if divergent=$(grep -nE "\?.*$collective|$collective.*\?" csrc/cuda/*.cu csrc/cuda/*.cuh); then
   echo "cuda-check: a warp collective taken under a conditional expression (every lane must reach it):" >&2
   echo "$divergent" >&2
