@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Compile check of the CUDA sources, no GPU needed (`make cuda-check`, CI).
 #
+# 0. (first, no compiler) no warp or block collective (__shfl*, __ballot_sync, __syncthreads,
+#    the reductions built on them) is an operand of a conditional expression (`?` on its
+#    line): the lanes that skip it leave the shuffle of the others waiting (the flash
+#    keys pass hung that way on an H200, 2026-11-28);
 # 1. every csrc/cuda/*.cu is compiled with nvcc for sm_80, sm_89 and sm_90; a
 #    compile error fails;
 # 2. one table per kernel and arch: registers, stack frame and spill bytes
@@ -19,11 +23,7 @@
 #    sm_90.  The SIMT Performer kernels are listed (0 tensor-core
 #    instructions; their divides are not gated);
 # 3. every csrc/cuda/*_binding.cpp is syntax-checked with the host compiler
-#    against torch's headers (when torch is importable) and the CUDA headers;
-# 0. (first, no compiler) no warp or block collective (__shfl*, __ballot_sync, __syncthreads,
-#    the reductions built on them) is an operand of a conditional expression (`?` on its
-#    line): the lanes that skip it leave the shuffle of the others waiting (the flash
-#    keys pass hung that way on an H200, 2026-11-28).
+#    against torch's headers (when torch is importable) and the CUDA headers.
 #
 # Environment: NVCC (default: nvcc on PATH), CXX (default: g++), PYTHON (default:
 # python3), CUOBJDUMP (default: cuobjdump on PATH, next to nvcc, in /usr/local/cuda/bin,

@@ -201,8 +201,10 @@ def main(argv=None) -> int:
     for variant in args.variants.split(","):
         if variant in done:
             continue
-        doc["variants"].append({"variant": variant, "status": f"timeout: not finished in {args.variant_timeout:g} s"})
-        write_json(args.json, doc)  # what stays if the watchdog ends the process
+        unfinished = (f"timeout: not finished in {args.variant_timeout:g} s" if args.variant_timeout > 0
+                      else "unfinished: the process ended during it")
+        doc["variants"].append({"variant": variant, "status": unfinished})
+        write_json(args.json, doc)  # what stays if the watchdog (or anything else) ends the process
         if args.variant_timeout > 0:
             faulthandler.dump_traceback_later(args.variant_timeout, exit=True)
         try:

@@ -16,9 +16,9 @@ the test finishes, so that a run killed at any point keeps what it did.
 * ``$GPU_TEST_TIMEOUT`` (seconds, default 90; ``$GPU_TEST_TIMEOUT_SLOW``, default 240, for the files of
   ``$GPU_TEST_SLOW_FILES``, default test_mutants.py; 0: none): a watchdog per test in each xdist worker.
   A test past its limit (a hung kernel: in the H200 run of 2026-11-28 hung flash Performer tests held
-  several workers until the stage's end, and 41 tests never ran) gets every thread's Python stack written to ``hang-<worker>.log`` beside
-  ``$GPU_TESTS_JSON`` and its worker ends (``faulthandler``, which needs no GIL); xdist reports the
-  test as crashed and starts a fresh worker for the rest.
+  several workers until the stage's end, and 41 tests never ran) gets every thread's Python stack
+  written to ``hang-<worker>.log`` beside ``$GPU_TESTS_JSON`` and its worker ends (``faulthandler``,
+  which needs no GIL); xdist reports the test as crashed and starts a fresh worker for the rest.
 
 Lines are appended with one write each (O_APPEND), from the xdist controller only.
 """
@@ -80,10 +80,14 @@ def recorded_seconds(paths: list[str]) -> dict[str, float]:
     return seconds
 
 
+def in_slow_files(nodeid: str) -> bool:
+    """Whether the test is in one of $GPU_TEST_SLOW_FILES (default test_mutants.py)."""
+    return os.path.basename(nodeid.split("::")[0]) in os.environ.get("GPU_TEST_SLOW_FILES", "test_mutants.py").split()
+
+
 def guessed_seconds(nodeid: str) -> float:
-    """A test no earlier run recorded: long in the slow files (test_mutants.py), else short."""
-    slow = os.environ.get("GPU_TEST_SLOW_FILES", "test_mutants.py").split()
-    return 100.0 if os.path.basename(nodeid.split("::")[0]) in slow else 1.0
+    """A test no earlier run recorded: long in the slow files, else short."""
+    return 100.0 if in_slow_files(nodeid) else 1.0
 
 
 def _collected(ids) -> None:
@@ -109,7 +113,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 def test_timeout(nodeid: str) -> float:
     """The watchdog's limit for a test (0: none)."""
-    if guessed_seconds(nodeid) > 1.0:  # a test of the slow files
+    if in_slow_files(nodeid):
         return float(os.environ.get("GPU_TEST_TIMEOUT_SLOW", "240"))
     return float(os.environ.get("GPU_TEST_TIMEOUT", "90"))
 
