@@ -294,7 +294,7 @@ def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
 @pytest.mark.xdist_group("check_dry_run")  # the module fixture check_dry_run once, on one worker
 def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
     """The specialisations the dry run logged (JITFunctions, autotuned ones included), replayed into an empty
-    cache with the compile-only target (what make gpu-bundle does with earlier GPU runs' triton-specs.jsonl),
+    cache with the compile-only target (what make gpu-bundle does with earlier GPU runs' triton-specs.jsonl.gz),
     are every one compiled, and the real check's launches then load them all as cache hits."""
     tmp, _ = check_dry_run
     log = tmp / "check-work" / "logs" / "triton.jsonl"

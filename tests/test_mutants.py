@@ -246,6 +246,18 @@ def patch_ntconv_op(mp, inj: Injector) -> None:
     mp.setattr(ops, "ntconv_bwd", bwd)
 
 
+def patch_cuda_ntconv(mp, inj: Injector) -> None:
+    """On CUDA, both entries of the Triton fused layer: the dispatcher (``patch_ntconv_op``; register_kernel
+    holds the functions themselves) and ntconv_op's functions, which the chunked tests call directly
+    (run_triton_chunked).  Each call passes one wrapper, so each fault is injected once."""
+    from nt_kernels.backends.triton import ntconv_op
+
+    patch_ntconv_op(mp, inj)
+    fwd, bwd = _ntconv_wrappers(inj, ntconv_op.ntconv_fwd, ntconv_op.ntconv_bwd, None)
+    mp.setattr(ntconv_op, "ntconv_fwd", fwd)
+    mp.setattr(ntconv_op, "ntconv_bwd", bwd)
+
+
 def patch_triton_ntconv(mp, inj: Injector, memo: Memo) -> None:
     """Wrap the Triton fused layer's functions (nt_kernels.backends.triton.ntconv_op), as the interpreter
     tests call them."""
@@ -405,7 +417,7 @@ CUDA_PERFORMER_TESTS = {impl: _tests(
      _every_dtype(lambda d: (impl, d, 23, 72))),
     ("determinism", "test_performer_cuda", "test_deterministic_and_nan_stays_in_its_segment",
      _every_dtype(lambda d: (impl, d))),  # and NaN
-) for impl in ("simt", "tc")}
+) for impl in ("simt", "tc", "flash")}
 
 
 @dataclass
@@ -444,10 +456,10 @@ def _paths():
                    TRITON_EXACT_TESTS, exact_check, DIMS),
         *[KernelPath(f"cuda performer ({impl})", lambda mp, inj, memo: patch_attention(mp, inj, "performer"),
                      ATTENTION_GRADS, CUDA_PERFORMER_TESTS[impl], performer_check, DIMS,
-                     {"NT_KERNELS_PERFORMER": impl}) for impl in ("simt", "tc")],
-        KernelPath("cuda ntconv (triton)", lambda mp, inj, memo: patch_ntconv_op(mp, inj), NTCONV_GRADS,
+                     {"NT_KERNELS_PERFORMER": impl}) for impl in ("simt", "tc", "flash")],
+        KernelPath("cuda ntconv (triton)", lambda mp, inj, memo: patch_cuda_ntconv(mp, inj), NTCONV_GRADS,
                    TRITON_NTCONV_TESTS, NTCONV_CHECK, ntconv_dims),
-        KernelPath("cuda ntconv stream (triton)", lambda mp, inj, memo: patch_ntconv_op(mp, inj), NTCONV_GRADS,
+        KernelPath("cuda ntconv stream (triton)", lambda mp, inj, memo: patch_cuda_ntconv(mp, inj), NTCONV_GRADS,
                    TRITON_STREAM_TESTS, NTCONV_CHECK, ntconv_dims, {"NT_KERNELS_NTCONV_RECOMPUTE": "stream"})]
 
 

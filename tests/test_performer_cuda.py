@@ -8,9 +8,9 @@ NT_KERNELS_PERFORMER: ``simt`` (fp32 arithmetic, every dtype), ``tc``
 float32 as 3xTF32 products; the SIMT kernels otherwise) and ``flash`` (the
 FlashAttention-2-style kernels of issue 39 where the shape fits them: D + 1 <= 48,
 or 32 in float32, and m + 1 <= 128; SIMT otherwise; their CPU model and the
-fused layer's kept state: tests/test_performer_flash.py).  Unset, every dtype
-runs the SIMT kernels (the tensor-core and flash ones are opt-in until a GPU has
-passed them: test_cuda_performer_defaults pins that on CPU).
+fused layer's kept state: tests/test_performer_flash.py).  Unset, bfloat16 runs
+the flash kernels where they fit and every other dtype SIMT (the defaults the GPU
+runs measured: test_cuda_performer_defaults pins them on CPU).
 
 Accuracy rule: the project's (nt_kernels/apps/tolerance.py through tests/helpers.py,
 docs/design.md §4): the kernel's max error against the float64 reference is at most
@@ -349,15 +349,17 @@ def test_vanishing_dq_is_checked_against_the_other_results(dtype, run):
 
 
 # The CUDA binding's choice of kernels (common/performer_choice.h), callable on every build.
-# Until the GPU-truth issue (28) has passed the tensor-core kernels on a GPU, SIMT is every
-# dtype's default; that issue flips performer_tensor_cores_by_default and DEFAULT_KERNELS together.
-DEFAULT_KERNELS = {"float32": "simt", "bfloat16": "simt", "float16": "simt"}
+# Defaults follow the GPU runs (issue 43): the flash kernels in bfloat16 since the H200 run of
+# 2026-11-28 (faster than SIMT, the tensor cores and performer-gemm, every test and sanitizer
+# passed); float16 and float32 stay on SIMT until a run times them.
+DEFAULT_KERNELS = {"float32": "simt", "bfloat16": "flash", "float16": "simt"}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_cuda_performer_defaults(dtype):
-    """Unset NT_KERNELS_PERFORMER: the default of the table above; "tc" and "flash" ask for the
-    tensor-core or flash kernels (taken only where the shape fits), "simt" forces SIMT."""
+    """Unset NT_KERNELS_PERFORMER: the default of the table above where the shape fits it, SIMT
+    where it does not; "tc" and "flash" ask for the tensor-core or flash kernels (taken only where
+    the shape fits), "simt" forces SIMT."""
     choose = torch.ops.nt_kernels.performer_cuda_kernels
     dt = DTYPES[dtype]
     assert choose(dt, "", True) == DEFAULT_KERNELS[dtype]

@@ -12,13 +12,17 @@ namespace nt_kernels {
 
 enum class PerformerKernels : int { Simt = 0, TensorCore = 1, Flash = 2 };
 
-// With NT_KERNELS_PERFORMER unset, whether `dtype` runs the tensor-core kernels
-// where its shape fits them.  A kernel that has not run on a GPU is never a
-// default: false for every dtype until the GPU-truth issue (28) has passed the
-// tensor-core kernels on a GPU (it flips this and the test together).
-bool performer_tensor_cores_by_default(c10::ScalarType dtype);
+// With NT_KERNELS_PERFORMER unset, whether `dtype` runs the flash kernels where
+// its shape fits them.  Defaults follow the GPU measurement (issue 43): a dtype
+// gets the flash kernels once a GPU has passed them (every check row, test and
+// sanitizer) and timed them faster than SIMT, the tensor cores and
+// performer-gemm in that dtype.  bfloat16 since the H200 run of 2026-11-28
+// (docs/runs/h200-2026-11-28b.md); float16 and float32 stay on SIMT until a run
+// times them.  tests/test_performer_cuda.py (DEFAULT_KERNELS) pins the table.
+bool performer_flash_by_default(c10::ScalarType dtype);
 
-// The kernels for a call: `mode` is NT_KERNELS_PERFORMER ("" when unset; "tc":
+// The kernels for a call: `mode` is NT_KERNELS_PERFORMER ("" when unset: the
+// flash kernels where performer_flash_by_default and the shape fits, else SIMT; "tc":
 // the tensor cores of issue 27 for every dtype whose shape fits; "flash": the
 // FlashAttention-2-style kernels of issue 39 where the shape fits; "simt": SIMT
 // for every dtype; anything else fails with a message naming the variable and

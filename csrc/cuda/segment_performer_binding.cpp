@@ -5,13 +5,13 @@
 // current stream of q's device.
 //
 // Kernels (NT_KERNELS_PERFORMER, read at every call; common/performer_choice.h):
-// unset, every dtype runs the SIMT kernels, the ones that passed on the H100;
-// "tc" runs the tensor-core kernels (bfloat16 / float16, float32 as 3xTF32)
-// where the shape fits them (performer_tensor_cores_fit) -- opt-in until a GPU
-// has passed them; "flash" the FlashAttention-2-style kernels of issue 39 where
-// the shape fits them (performer_flash_fit; opt-in, never run yet), on the
-// listed segments sorted longest first (their work list); "simt" forces the
-// SIMT kernels.
+// unset, bfloat16 runs the FlashAttention-2-style kernels of issue 39 where the
+// shape fits them (performer_flash_fit; the H200 run of 2026-11-28 passed and
+// timed them) and every other dtype the SIMT kernels; "flash" asks for the
+// flash kernels in every dtype, on the listed segments sorted longest first
+// (their work list); "tc" runs the tensor-core kernels (bfloat16 / float16,
+// float32 as 3xTF32) where the shape fits them (performer_tensor_cores_fit);
+// "simt" forces the SIMT kernels.
 //
 // performer_fwd_state_table / performer_bwd_state_table_into (CUDA builds only:
 // the fused layer's backward, nt_kernels/backends/triton/ntconv_op.py): the

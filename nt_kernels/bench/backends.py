@@ -7,7 +7,7 @@ Every backend computes the same packed (E, H, D) output from packed q, k, v:
 * ``performer-simt``, ``performer-tc``, ``performer-flash`` — the same with the
   CUDA Performer path forced onto one implementation (``NT_KERNELS_PERFORMER``
   ``simt``, ``tc``: the tensor-core kernels of issue 27, ``flash``: the
-  FlashAttention-2-style kernels of issue 39; the last two opt-in), so that one
+  FlashAttention-2-style kernels of issue 39, bfloat16's default), so that one
   run times them side by side (CUDA only);
 * ``performer-gemm`` — the yardstick: the same Performer math composed of library
   GEMMs (:mod:`nt_kernels.backends.performer_gemm`; grouped GEMMs, or ``bmm`` over

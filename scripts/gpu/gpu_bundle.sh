@@ -10,7 +10,7 @@
 #   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
 #        Triton kernels of scripts/gpu/gpu_check.sh's warm workload (every check row's kernels), of
 #        scripts/gpu/gpu_perf.sh's training steps (both paths of the fused layer) and of
-#        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl),
+#        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl.gz),
 #        compiled for sm_90 here, with GPU_PYTHON's Triton and the wheel installed, through
 #        scripts/gpu/gpu_triton.py's compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the
 #        fingerprint of the GPU machine's Triton (its source hash, ptxas, default options,
@@ -83,7 +83,7 @@ triton_aot() {
       --warmup 0 --repeats 1 --dry-run --out "$PWD/layer$recompute") \
       || echo "gpu-bundle: the layer-step warm failed (those kernels compile on the GPU)"
   done
-  mapfile -t records < <(ls bench/results/gpu-runs/*/triton-specs.jsonl 2>/dev/null)
+  mapfile -t records < <(ls bench/results/gpu-runs/*/triton-specs.jsonl.gz 2>/dev/null)
   if [ ${#records[@]} -gt 0 ]; then
     echo "gpu-bundle: Triton cache: specialisations logged on GPUs: ${records[*]}"
     for i in $(seq 0 $((jobs - 1))); do

@@ -36,6 +36,7 @@ processes.  This module makes that measured, shared and parallel:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -96,11 +97,16 @@ def install_log_from_env() -> None:
         pass
 
 
+def _open_text(path: str, mode: str = "r"):
+    """A log or a specs file, gzip-compressed when its name ends in .gz (the committed specs are)."""
+    return gzip.open(path, mode + "t") if path.endswith(".gz") else open(path, mode)
+
+
 def read_log(paths) -> list[dict]:
     records = []
     for path in paths:
         if os.path.exists(path):
-            with open(path) as f:
+            with _open_text(path) as f:
                 records += [json.loads(line) for line in f if line.strip()]
     return records
 
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
             if r.get("event") == "spec" and r["spec"] not in seen:
                 seen.add(r["spec"])
                 kept.append({k: r[k] for k in ("module", "kernel", "spec")} | {"event": "spec"})
-        with open(args.out, "w") as f:
+        with _open_text(args.out, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in kept))
         print(f"specs: {len(kept)} distinct specialisations -> {args.out}")
         return 0
