@@ -271,12 +271,13 @@ def test_gpu_check_dry_run(check_dry_run):
 @pytest.mark.xdist_group("check_dry_run")  # the module fixture check_dry_run once, on one worker
 def test_compiled_ahead_kernels_are_cache_hits(check_dry_run, tmp_path):
     """The kernels the dry run's warm compiled (check --kernels-only, sm_90, no GPU) are what the real
-    check's launches load: every load a hit, from the cache as it is and after pack + unpack elsewhere."""
+    check's launches load: every load a hit, from the cache as it is and after pack (xz, as the bundle) + unpack
+    elsewhere."""
     tmp, _ = check_dry_run
     cache, log = tmp / "triton-cache", tmp / "check-work" / "logs" / "triton.jsonl"
     moved = tmp_path / "moved-cache"
-    for args in (["pack", str(cache), str(tmp_path / "cache.tar.gz"), "--log", str(log)],
-                 ["unpack", str(tmp_path / "cache.tar.gz"), str(moved)]):
+    for args in (["pack", str(cache), str(tmp_path / "cache.tar.xz"), "--log", str(log)],
+                 ["unpack", str(tmp_path / "cache.tar.xz"), str(moved)]):
         result = run([sys.executable, "scripts/gpu/gpu_triton.py", *args])
         assert result.returncode == 0, result.stderr
     for where in (cache, moved):

@@ -2,8 +2,8 @@
 yardstick of the CUDA Performer kernels (issue 39), against the loop reference on CPU.
 
 Both of its modes run here: ``bmm`` over padded chunks (every dtype, float64 included) and
-``grouped`` (``torch._grouped_mm``, float32 / bfloat16 / float16; on the GPU the bench takes it for
-bfloat16 on sm_90).  Forward and all three gradients: float64 and float32 to their rounding, bfloat16
+``grouped`` (``torch._grouped_mm``, float32 / bfloat16 / float16; not taken by make_plan: torch runs it
+with float32 output as a host loop over the groups).  Forward and all three gradients: float64 and float32 to their rounding, bfloat16
 and float16 under the project's accuracy rule (tests/test_performer_cuda.py)."""
 import math
 

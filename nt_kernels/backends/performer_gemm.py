@@ -9,9 +9,11 @@ the way a user with cuBLAS would write it:
 * the segment sums W = Σ_k p(k) (v_k, 1)ᵀ and C = Σ_i p(q_i) G'_iᵀ as a grouped GEMM with the
   segments' row offsets along K (``torch._grouped_mm``, 2d × 2d), and every per-row product with
   its segment's matrix (p(q) W, G' Wᵀ, (v, 1) Cᵀ, p(k) C) as a grouped GEMM with the offsets along
-  M (2d × 3d): the *grouped* mode, for float32 / bfloat16 / float16 where torch has it;
-* elsewhere (float64; ``mode="bmm"``) the same products as ``bmm`` over the segments cut into
-  padded chunks of ``CHUNK_ROWS`` rows, chunk partials summed per segment in chunk order.
+  M (2d × 3d): the *grouped* mode, for float32 / bfloat16 / float16 where torch has it (not the plan's
+  choice: torch runs it with float32 output as a host loop over the groups, see :func:`make_plan`);
+* ``mode="bmm"`` (:func:`make_plan`'s, every dtype and device) the same products as ``bmm`` over the
+  segments cut into padded chunks of ``CHUNK_ROWS`` rows, chunk partials summed per segment in chunk
+  order.
 
 Heads are folded into the rows ((E, H, D) -> (H·E, D)), so a group is one (head, segment).  GEMM
 operands are in the input dtype (tensor cores for bfloat16 / float16) with float32 accumulation;
@@ -34,7 +36,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 
 import torch
 
@@ -301,31 +302,14 @@ def selected() -> bool:
     return os.environ.get(ENV) == "gemm"
 
 
-@functools.cache
-def _grouped_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch build runs the grouped plan's products (forward and backward) on the device; no
-    autograd, so that the fused op can ask from below the dispatcher's autograd."""
-    plan = GemmPlan(torch.tensor([0, 3, 8], device=device_type), 1)
-    q = torch.zeros((8, 1, 8), dtype=dtype, device=device_type)
-    try:
-        o, saved = _forward(q, q, q, torch.zeros(16, 8, device=device_type), plan, 1e-4)
-        _backward(saved, torch.ones_like(o), plan, 1e-4)
-    except (RuntimeError, NotImplementedError) as exc:
-        print(f"performer-gemm: grouped GEMMs refused on {device_type} for {dtype} "
-              f"({str(exc).splitlines()[0][:160]}); bmm instead", file=sys.stderr)
-        return False
-    return True
-
-
 def make_plan(rowptr: torch.Tensor, heads: int, dtype: torch.dtype) -> GemmPlan:
-    """The plan of the bench's ``performer-gemm`` and of NT_KERNELS_PERFORMER=gemm: grouped GEMMs
-    (``torch._grouped_mm``, CUTLASS) for bfloat16 on sm_90 and newer where this torch runs them (tried
-    once per device and dtype), ``bmm`` over padded chunks elsewhere (on the CPU the grouped op is a
-    loop over the groups)."""
-    device = rowptr.device
-    grouped = (dtype == torch.bfloat16 and device.type == "cuda" and hasattr(torch, "_grouped_mm")
-               and torch.cuda.get_device_capability(device) >= (9, 0) and _grouped_runs(device.type, dtype))
-    return GemmPlan(rowptr, heads, mode="grouped" if grouped else "bmm")
+    """The plan of the bench's ``performer-gemm`` and of NT_KERNELS_PERFORMER=gemm: ``bmm`` (cuBLAS batched
+    GEMMs with float32 output on CUDA) over padded chunks, on every device and dtype.  Not the grouped
+    mode: torch runs ``_grouped_mm`` on its CUTLASS kernels only with bfloat16 output, and with the float32
+    output these products need it reads the offsets to the host and loops over the groups, one GEMM each
+    (the H200 run of 2026-11-28b timed that at 344.55 ms for the tolokers layer's Performer fwd+bwd, 65x
+    the flash kernels: no yardstick)."""
+    return GemmPlan(rowptr, heads, mode="bmm")
 
 
 class SegmentRows:

@@ -7,7 +7,7 @@
 #        newer GPUs; no GPU needed), checked by scripts/wheel_check.py contents
 #   .gpu-bundle/data/{tolokers,minesweeper}.npz, LICENCE.txt     the real graphs
 #   .gpu-bundle/manifest.json        versions, the wheel's name, the hash of csrc/ and CMakeLists.txt
-#   .gpu-bundle/triton-cache.tar.gz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
+#   .gpu-bundle/triton-cache.tar.xz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
 #        Triton kernels of scripts/gpu/gpu_check.sh's warm workload (every check row's kernels), of
 #        scripts/gpu/gpu_perf.sh's training steps (both paths of the fused layer) and of
 #        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl.gz),
@@ -96,7 +96,7 @@ triton_aot() {
     done
   fi
   "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py summary "$work/aot.jsonl"
-  "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py pack "$cache" "$bundle/triton-cache.tar.gz" --log "$work/aot.jsonl"
+  "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py pack "$cache" "$bundle/triton-cache.tar.xz" --log "$work/aot.jsonl"
   "${env[@]}" "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py fingerprint --out "$bundle/triton-fingerprint.json"
 }
 
@@ -128,9 +128,14 @@ elif [ ! -f "$bundle/manifest.json" ]; then
   echo "gpu-bundle: --triton-only needs an existing $bundle (run make gpu-bundle first)" >&2
   exit 1
 fi
-rm -f "$bundle/triton-cache.tar.gz" "$bundle/triton-fingerprint.json"
+rm -f "$bundle/triton-cache.tar.xz" "$bundle/triton-fingerprint.json"
 [ "${TRITON_AOT:-1}" = 0 ] || triton_aot
-size_kib=$(du -sk "$bundle" | cut -f1)
+size_kib=$(( $(du -sb "$bundle" | cut -f1) / 1024 ))
+# The device tool carries the working tree (tracked and untracked files git does not ignore) and the
+# bundle, 64 MiB in all.
+tree_kib=$(( $(git ls-files -z -c -o --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) / 1024 ))
 ls -l "$bundle" "$bundle"/*
-echo "gpu-bundle: $bundle is $((size_kib / 1024)) MiB (limit $limit_mib MiB), source hash $(source_hash)"
+echo "gpu-bundle: $bundle is $((size_kib / 1024)) MiB (limit $limit_mib MiB), the working tree $((tree_kib / 1024)) MiB" \
+  "(the device tool carries both: $(((size_kib + tree_kib) / 1024)) of 64 MiB), source hash $(source_hash)"
 [ "$size_kib" -le $((limit_mib * 1024)) ] || { echo "gpu-bundle: over the $limit_mib MiB limit" >&2; exit 1; }
+[ $((size_kib + tree_kib)) -le $((64 * 1024)) ] || { echo "gpu-bundle: the bundle and the working tree are over the device tool's 64 MiB" >&2; exit 1; }

@@ -158,7 +158,7 @@ build_extension() {  # with all cores, into $WORK/build (stage 1b)
 # triton_cache_setup: the fingerprint of this machine's Triton against the ahead-of-time cache
 # of the bundle (built by make gpu-bundle), and that cache unpacked when they match.
 triton_cache_setup() {
-  local aot="$BUNDLE/triton-cache.tar.gz" built="$BUNDLE/triton-fingerprint.json" compare=() rc
+  local aot="$BUNDLE/triton-cache.tar.xz" built="$BUNDLE/triton-fingerprint.json" compare=() rc
   [ -f "$built" ] && compare=(--compare "$built")
   ntpy "$REPO/scripts/gpu/gpu_triton.py" fingerprint --out "$WORK/json/triton-fingerprint.json" "${compare[@]}"
   rc=$?

@@ -30,7 +30,7 @@
 #   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
 #               (scripts/gpu/gpu_measure.py roofline)
 #   6 ncu       Nsight Compute over one warm tolokers layer, forward + backward, per variant of
-#               GPU_NCU_VARIANTS (default fused,fused:recompute:tc: the default and the candidate path;
+#               GPU_NCU_VARIANTS (default fused,fused:stream: the default and the candidate path;
 #               each an equal share of the stage), the first with a 1 GiB copy and a cuBLAS GEMM for
 #               calibration (scripts/gpu/gpu_ncu.py layer); kernel replay, --clock-control none,
 #               --import-source yes, --set detailed; the raw, details and source pages as CSV and
@@ -61,9 +61,9 @@ export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PER
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
-                   [op]="90 30" [ncu]="280 140")
+                   [op]="110 30" [ncu]="280 140")
 ORDER=(warm layer steps powerlaw roofline op ncu)
-export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:recompute:tc}
+export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:stream}
 DRY_SCALE=1  # 5 in a dry run on the CPU
 
 selected() { [[ ",$GPU_PERF," == *",$1,"* ]]; }

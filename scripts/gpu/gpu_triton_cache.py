@@ -45,10 +45,12 @@ KEEP = (".json", ".cubin", ".so")
 
 
 def pack(cache: str, tar_path: str, hashes: set | None = None) -> int:
-    """Cache entries (metadata, cubin, group file; launcher modules) into a tar.gz whose group files
-    name paths relative to CACHE_MARK.  ``hashes``: only those kernels' entries (and all launchers)."""
+    """Cache entries (metadata, cubin, group file; launcher modules) into a tar (xz-compressed for a
+    ``.xz`` name: half gzip's size on cubins, so that the bundle and the working tree fit the device
+    tool's 64 MiB; else gzip) whose group files name paths relative to CACHE_MARK.  ``hashes``: only
+    those kernels' entries (and all launchers)."""
     count = 0
-    with tarfile.open(tar_path, "w:gz") as tar:
+    with tarfile.open(tar_path, "w:xz" if tar_path.endswith(".xz") else "w:gz") as tar:
         for entry in sorted(os.listdir(cache)):
             folder = os.path.join(cache, entry)
             names = [n for n in os.listdir(folder) if n.endswith(KEEP) and not n.startswith("tmp")]
@@ -84,7 +86,8 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def unpack(tar_path: str, cache: str) -> int:
-    """Extract a packed cache into ``cache``, pointing its group files at their new place."""
+    """Extract a packed cache (xz or gzip: tarfile detects which) into ``cache``, pointing its group files
+    at their new place."""
     os.makedirs(cache, exist_ok=True)
     with tarfile.open(tar_path) as tar:
         tar.extractall(cache, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(cache)
