@@ -128,7 +128,7 @@ elif [ ! -f "$bundle/manifest.json" ]; then
   echo "gpu-bundle: --triton-only needs an existing $bundle (run make gpu-bundle first)" >&2
   exit 1
 fi
-rm -f "$bundle/triton-cache.tar.xz" "$bundle/triton-fingerprint.json"
+rm -f "$bundle"/triton-cache.tar.* "$bundle/triton-fingerprint.json"  # an older bundle's .tar.gz too
 [ "${TRITON_AOT:-1}" = 0 ] || triton_aot
 size_kib=$(( $(du -sb "$bundle" | cut -f1) / 1024 ))
 # The device tool carries the working tree (tracked and untracked files git does not ignore) and the
