@@ -122,7 +122,8 @@ def _keeps_performer_state(q: torch.Tensor) -> bool:
     layer): where the CUDA binding chooses the flash kernels (bfloat16 by default, any dtype with
     NT_KERNELS_PERFORMER=flash; the binding decides per call and returns an empty state elsewhere), in a
     build that has the state ops."""
-    if not (q.is_cuda and hasattr(torch.ops.nt_kernels, "performer_fwd_state_table")):
+    if not (q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and hasattr(torch.ops.nt_kernels, "performer_fwd_state_table")):
         return False
     mode = os.environ.get("NT_KERNELS_PERFORMER", "")
     return mode in ("", "flash", "tc", "simt") and torch.ops.nt_kernels.performer_cuda_kernels(
