@@ -199,7 +199,7 @@ stage_sanitize() {
     return 1
   fi
   # memcheck and racecheck: the CUDA Performer first (shared memory), initcheck the fused op first; the
-  # opt-in flash Performer last, but before the fused op in racecheck (it ran out of time there on 11-28).
+  # flash Performer last, but before the fused op in racecheck (it ran out of time there on 11-28).
   declare -A share=([memcheck]=2 [racecheck]=2 [initcheck]=1) order=([memcheck]=performer,fused,flash
                     [racecheck]=performer,flash,fused [initcheck]=fused,performer,flash) pids=()
   if [ "${GPU_SANITIZE_CONCURRENT:-0}" = 1 ]; then  # beside the check and the tests: one core per tool

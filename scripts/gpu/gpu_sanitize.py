@@ -13,9 +13,9 @@ run under the sanitizer that finishes also says whether the numbers were right:
   split into 256-row chunks) for each implementation: SIMT (``NT_KERNELS_PERFORMER=simt``) in float32,
   bfloat16 and float16, and the tensor-core kernels (``=tc``): WMMA in bfloat16 / float16, 3xTF32 in
   float32;
-* ``flash``: the same for the FlashAttention-2-style kernels (``=flash``, opt-in) in bfloat16, float16
-  and float32 (3xTF32), a part of its own so that gpu_check.sh can place it in each tool's order (their
-  first GPU run hung).
+* ``flash``: the same for the FlashAttention-2-style kernels (``=flash``; bfloat16's default since the H200
+  run of 2026-11-28b) in bfloat16, float16 and float32 (3xTF32), a part of its own so that gpu_check.sh
+  can place it in each tool's order (their first GPU run hung).
 
     compute-sanitizer --tool memcheck --error-exitcode 3 python scripts/gpu/gpu_sanitize.py
     python scripts/gpu/gpu_sanitize.py --device cpu          # a dry run on CPU: the CPU op, no CUDA kernel

@@ -119,15 +119,10 @@ def qkv_buffer(p: Problem, chunk, dtype, fill: bool = False) -> torch.Tensor:
 def _keeps_performer_state(q: torch.Tensor) -> bool:
     """Whether the backward keeps the Performer's per-segment state from its recomputed forward, so that
     the Performer backward skips the keys pass (issue 39: the keys pass once per backward, twice per
-    layer): where the CUDA binding chooses the flash kernels (bfloat16 by default, any dtype with
-    NT_KERNELS_PERFORMER=flash; the binding decides per call and returns an empty state elsewhere), in a
-    build that has the state ops."""
-    if not (q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and hasattr(torch.ops.nt_kernels, "performer_fwd_state_table")):
-        return False
-    mode = os.environ.get("NT_KERNELS_PERFORMER", "")
-    return mode in ("", "flash", "tc", "simt") and torch.ops.nt_kernels.performer_cuda_kernels(
-        q.dtype, mode, True) == "flash"
+    layer): on CUDA, in a build that has the state ops.  The binding decides per call: it keeps a state
+    where it runs the flash kernels (bfloat16 by default, any dtype with NT_KERNELS_PERFORMER=flash) and
+    returns an empty one elsewhere, which its backward then ignores (the same kernels as without)."""
+    return q.is_cuda and hasattr(torch.ops.nt_kernels, "performer_fwd_state_table")
 
 
 def _gemm_rows(p: Problem, chunk, dtype) -> performer_gemm.SegmentRows:
