@@ -58,6 +58,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nt_kernels.backends.triton import configs  # noqa: E402
 from nt_kernels.backends.triton.common import packed_classes  # noqa: E402
+from nt_kernels.backends.triton.plan import BLOCK_CLASS, PLAN_BLOCK  # noqa: E402
 from nt_kernels.backends.triton.occupancy import gate, occupancy  # noqa: E402
 from nt_kernels.backends.triton.softmax_bwd import bwd_spec  # noqa: E402
 from nt_kernels.backends.triton.softmax_fwd import fwd_spec  # noqa: E402
@@ -78,6 +79,8 @@ def spec_of(kernel: str, config: dict, dtype: str, heads: int, head_dim: int, cl
 def settings(arch: int, dtype: str, head_dim: int) -> list[tuple[str, int, int]]:
     """(kernel, packed class, tile height) of every launch for this architecture, dtype and head dim."""
     classes = packed_classes(TORCH_DTYPES[dtype], head_dim, SHARED_LIMIT[arch])
+    if PLAN_BLOCK in dict(classes).values():  # the opt-in row blocks (plan.py) run the 64-row tile's config
+        classes.append((BLOCK_CLASS, PLAN_BLOCK))
     return ([("fwd_packed", c, t) for c, t in classes] + [("fwd_multi", 0, 0)]
             + [("bwd_packed", c, t) for c, t in classes] + [("bwd_dq", 0, 0), ("bwd_dkdv", 0, 0)])
 
@@ -176,7 +179,8 @@ def report(rows: list) -> bool:
     print(f"{'arch':<6} {'kernel':<11} {'dtype':<5} {'D':>4} {'size':<5} {'config':<12} {'runs':<20} {'smem':>7} "
           f"{'regs':>5} {'spill':>5} {'warps':>5} {'CTA/SM':>6} {'warps/SM':>8} {'dot':>3}  params")
     for job, shared, regs, spills, what, warps, dot in sorted(rows, key=lambda r: r[0][:7] + (r[0][8],)):
-        arch, kernel, dtype, head_dim, _, _, tile, config, label = job
+        arch, kernel, dtype, head_dim, _, cls, tile, config, label = job
+        size = "rows" if cls == BLOCK_CLASS else size_of(kernel, tile)  # row blocks: 64 contiguous rows
         error = shared is None
         too_big = not error and shared > SHARED_LIMIT[arch]
         occ = None if error or too_big else occupancy(arch, regs, shared, warps)
@@ -193,7 +197,7 @@ def report(rows: list) -> bool:
         failed |= bad
         params = ",".join(f"{k}={v}" for k, v in config.items())
         occ_text = f"{occ.ctas:>6} {occ.warps:>8}" if occ else f"{'-':>6} {'-':>8}"
-        print(f"sm_{arch:<3} {kernel:<11} {dtype:<5} {head_dim:>4} {size_of(kernel, tile):<5} {label:<12} "
+        print(f"sm_{arch:<3} {kernel:<11} {dtype:<5} {head_dim:>4} {size:<5} {label:<12} "
               f"{'-' if error else what:<20} {'-' if error else shared:>7} {regs:>5} {spills:>5} {warps:>5} "
               f"{occ_text} {'yes' if dot else 'no':>3}  {params}{note}")
         if error:

@@ -71,3 +71,32 @@ def test_source_page_gives_the_lines_that_stall_most():
     assert found["row_kernel"] == ["100.0 %  segment_performer_rows.cuh:90  const float u = group_sum(x);"]
     assert tables.base_name("void nt_kernels::cuda::performer::row_kernel<__nv_bfloat16, 1>(Geometry, Args)") \
         == "row_kernel"
+
+
+def _profiled_names() -> set[str]:
+    """Every kernel name in the committed ncu runs' raw pages (each profiled without a filter)."""
+    names = set()
+    for path in sorted((ROOT / "bench" / "results" / "gpu-runs").glob("*/ncu/raw-*.csv.gz")):
+        names |= {k["Kernel Name"] for k in tables.read_raw(tables._read(str(path)))}
+    return names
+
+
+def test_kernel_filter_keeps_the_projects_and_cublas_kernels_and_drops_the_glue():
+    """The stage's --kernel-name regex (searched in demangled names, as ncu does) against the kernels of the
+    committed runs: the CUDA and Triton kernels, cuBLAS / CUTLASS and the calibration's add are profiled;
+    ATen's glue (fills, arange, scatters, sorts, scans, casts) is not."""
+    import re
+
+    pattern = re.compile(gpu_ncu.KERNELS)
+    names = _profiled_names()
+    ours = {n for n in names if "nt_kernels::" in n or re.fullmatch(r"_[a-z_]+_kernel", n)}
+    blas = {n for n in names if any(s in n for s in ("nvjet", "cutlass", "cublas"))}
+    calibration = {n for n in names if "CUDAFunctorOnSelf_add<float>" in n}
+    glue = names - ours - blas - calibration
+    assert len(ours) >= 15 and blas and calibration and len(glue) >= 8
+    assert {"_prologue_kernel", "_weight_grad_kernel", "_dy_stream_kernel"} <= ours
+    assert any("fl_keys_kernel" in n for n in ours) and any("radixSortKVInPlace" in n for n in glue)
+    missed = sorted(n for n in ours | blas | calibration if not pattern.search(n))
+    assert not missed, missed
+    kept = sorted(n for n in glue if pattern.search(n))
+    assert not kept, kept

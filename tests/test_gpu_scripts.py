@@ -320,7 +320,7 @@ def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
 
 def test_gpu_perf_dry_run(tmp_path):
     pytest.importorskip("triton")
-    result = run(["bash", "scripts/gpu/gpu_perf.sh"], env=dry_env(tmp_path, "perf"))
+    result = run(["bash", "scripts/gpu/gpu_perf.sh"], env=dict(dry_env(tmp_path, "perf"), GPU_PERF_BLOCKS="1"))
     out = tmp_path / "perf-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-steps.log", "3-powerlaw.log",
@@ -334,6 +334,10 @@ def test_gpu_perf_dry_run(tmp_path):
     assert doc["op_exact"]["backends"]["fused"]["status"] == "ok"
     assert doc["op_performer"]["backends"]["fused"]["status"] == "ok"
     assert doc["roofline"]["forward_ms"] > 0
+    # GPU_PERF_BLOCKS=1: the exact subset and the roofline again with NT_KERNELS_EXACT_BLOCKS=1 (the CPU kernels
+    # take no plan, so here this runs the commands only)
+    assert doc["op_exact_blocks"]["backends"]["fused"]["status"] == "ok" and doc["roofline_blocks"]["forward_ms"] > 0
+    assert "op exact blocks" in result.stdout and "roofline (row blocks)" in result.stdout
     assert doc["powerlaw"]["results"][0]["status"] == "ok" and len(doc["powerlaw"]["results"][0]["step_ms_runs"]) == 2
     assert "== gpu_perf summary" in result.stdout and "layer tolokers: fused" in result.stdout
     ncu = (out / "6-ncu.log").read_text()  # the profiled program ran, and the fixture became tables

@@ -388,6 +388,12 @@ TRITON_EXACT_TESTS = _tests(
     ("accuracy", "test_triton", "test_segment_softmax_matches_reference", _every_dtype(lambda d: (9, DTYPES[d]))),
     ("determinism", "test_triton", "test_reruns_are_bitwise_identical", _every_dtype(lambda d: (DTYPES[d],))),
     ("nan", "test_triton", "test_nan_stays_in_its_segment", _every_dtype(lambda d: (DTYPES[d],))))
+# The opt-in row blocks (NT_KERNELS_EXACT_BLOCKS=1, the path's env; the block tests set it too).
+TRITON_BLOCK_TESTS = _tests(
+    ("accuracy", "test_triton_blocks", "test_blocks_match_reference", _every_dtype(lambda d: (9, DTYPES[d]))),
+    ("determinism", "test_triton", "test_reruns_are_bitwise_identical", _every_dtype(lambda d: (DTYPES[d],))),
+    ("nan", "test_triton_blocks", "test_blocks_keep_nan_in_its_segment", {"float32": [(F32,)], "bfloat16": [(BF16,)]}),
+    ("nan", "test_triton", "test_nan_stays_in_its_segment", {"float16": [(F16,)]}))
 TRITON_NTCONV_TESTS = _tests(
     ("accuracy", "test_ntconv_triton", "test_matches_reference_with_edge_attr_and_dropout",
      {"float32": [("sum", "receiver")]}),
@@ -448,12 +454,16 @@ def _paths():
             KernelPath("cpu ntconv", lambda mp, inj, memo: patch_ntconv_op(mp, inj), NTCONV_GRADS, NTCONV_TESTS,
                        NTCONV_CHECK, ntconv_dims),
             KernelPath("triton exact (interpreter)", patch_triton_exact, ATTENTION_GRADS, TRITON_EXACT_TESTS),
+            KernelPath("triton exact blocks (interpreter)", patch_triton_exact, ATTENTION_GRADS, TRITON_BLOCK_TESTS,
+                       env={"NT_KERNELS_EXACT_BLOCKS": "1"}),
             KernelPath("triton ntconv (interpreter)", patch_triton_ntconv, NTCONV_GRADS, TRITON_NTCONV_TESTS),
             KernelPath("triton ntconv stream (interpreter)", patch_triton_ntconv, NTCONV_GRADS, TRITON_STREAM_TESTS,
                        env={"NT_KERNELS_NTCONV_RECOMPUTE": "stream"})]
     return [
         KernelPath("cuda exact (triton)", lambda mp, inj, memo: patch_attention(mp, inj, "exact"), ATTENTION_GRADS,
                    TRITON_EXACT_TESTS, exact_check, DIMS),
+        KernelPath("cuda exact blocks (triton)", lambda mp, inj, memo: patch_attention(mp, inj, "exact"),
+                   ATTENTION_GRADS, TRITON_BLOCK_TESTS, env={"NT_KERNELS_EXACT_BLOCKS": "1"}),
         *[KernelPath(f"cuda performer ({impl})", lambda mp, inj, memo: patch_attention(mp, inj, "performer"),
                      ATTENTION_GRADS, CUDA_PERFORMER_TESTS[impl], performer_check, DIMS,
                      {"NT_KERNELS_PERFORMER": impl}) for impl in ("simt", "tc", "flash")],

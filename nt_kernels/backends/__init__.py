@@ -68,11 +68,12 @@ def exact_plan(csr, threshold: float, segments: torch.Tensor, q: torch.Tensor) -
     """
     if csr is None or q.device.type != "cuda" or not _registered["triton"]:
         return None
-    from nt_kernels.backends.triton.plan import build_plan, max_packed_tile, shared_memory_per_block
+    from nt_kernels.backends.triton.plan import blocks_requested, build_plan, max_packed_tile, shared_memory_per_block
 
     max_tile = max_packed_tile(q.dtype, q.shape[2], shared_memory_per_block(q.device))
-    return csr.plan(("exact-plan", float(threshold), max_tile),
-                    lambda: build_plan(csr.rowptr, segments, num_rows=csr.num_edges, max_tile=max_tile))
+    blocks = blocks_requested(max_tile)
+    return csr.plan(("exact-plan", float(threshold), max_tile, blocks),
+                    lambda: build_plan(csr.rowptr, segments, num_rows=csr.num_edges, max_tile=max_tile, blocks=blocks))
 
 
 def ntconv_plan(csr, rcsr, threshold: float, centre: torch.Tensor, heads: int) -> torch.Tensor | None:

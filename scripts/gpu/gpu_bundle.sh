@@ -64,6 +64,11 @@ triton_aot() {
   local cache=build/gpu-bundle-triton work=build/gpu-bundle-aot jobs=${JOBS:-$(nproc)} i records=() pids=()
   rm -rf "$work" && mkdir -p "$work/site" "$cache"
   install_wheel "$bundle"/nt_kernels-*.whl "$work/site"
+  # The tree's Python over the wheel's, as install_site does on the GPU machine: with --triton-only the
+  # wheel predates the edited Triton kernels, whose source is their cache key.  (.py files only: the wheel's
+  # extension and _build_info.py stay.)
+  (cd nt_kernels && find . -name "*.py" ! -name _build_info.py -print0 | xargs -0 cp --parents -t "$OLDPWD/$work/site/nt_kernels")
+  (cd python/nt_reference && find . -name "*.py" -print0 | xargs -0 cp --parents -t "$OLDPWD/$work/site/nt_reference")
   # As on the GPU machine (scripts/gpu/gpu_common.sh): no interpreter, Triton's default fp fusion,
   # one config per kernel; TRITON_STORE_BINARY_ONLY keeps only what a cache hit reads.
   local env=(env -u TRITON_INTERPRET -u TRITON_DEFAULT_FP_FUSION PYTHONPATH="$PWD/$work/site"
@@ -73,6 +78,12 @@ triton_aot() {
   (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" warm --fake-target --jobs "$jobs" \
     --tag aot --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 7200 -- check --device cpu --kernels-only \
     --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites "$WARM_SUITES")
+  # The exact rows again on the opt-in row blocks (plan.py; GPU_PERF_BLOCKS=1 and tests/test_triton_blocks.py).
+  echo "gpu-bundle: Triton cache: the exact rows on row blocks (NT_KERNELS_EXACT_BLOCKS=1)"
+  (cd "$work" && "${env[@]}" NT_KERNELS_EXACT_BLOCKS=1 "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" warm \
+    --fake-target --jobs "$jobs" --tag aot-blocks --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 3600 -- check \
+    --device cpu --kernels-only --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites exact) \
+    || echo "gpu-bundle: the row-block warm failed (those kernels compile on the GPU)"
   # The training steps of scripts/gpu/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
   # fused layer's default path and on its opt-in recompute and streaming designs.
   for recompute in 0 1 stream; do

@@ -9,6 +9,9 @@ candidate; scripts/gpu/gpu_profile.py's SWITCHES).  ``--calibrate`` adds, inside
 copy kernel over 1 GiB (read + write) and an 8192^3 bf16 cuBLAS GEMM: the two ceilings the other
 rows are read against.
 
+``kernels`` prints the ``--kernel-name`` regex (on demangled names) of the launches the stage profiles:
+the project's CUDA and Triton kernels, cuBLAS / CUTLASS and the calibration's add, not ATen's glue.
+
 ``table`` turns the CSV pages that ``ncu --csv --page raw`` (one row per kernel, a column per
 metric) and, where it was exported, ``--page source`` wrote into one Markdown table per kernel
 (docs/gpu-ncu.md): launch and occupancy (achieved against theoretical, and the limiter),
@@ -26,6 +29,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_ncu_tables import EXTRA_METRICS, table  # noqa: E402
+
+# ------------------------------------------------------------------------------- the kernel filter
+# What ncu profiles (--kernel-name-base demangled --kernel-name regex:KERNELS): the project's kernels (the
+# CUDA ones in namespace nt_kernels, the Triton ones by their bare function names), cuBLAS / CUTLASS, and
+# the calibration's add.  The glue ATen launches between them (fills, index arithmetic, scatters, sorts,
+# casts: about 60 % of a layer's launches, each a few microseconds, each ~1 s under ncu's replay) is left
+# to the layer stage's torch.profiler table; GPU_NCU_KERNELS=all profiles it too.
+KERNELS = "|".join([
+    r"nt_kernels::",                   # the CUDA kernels (Performer, exact, fused op)
+    r"^_[A-Za-z0-9_]*_kernel$",        # the Triton kernels: a bare name, no return type or parameters
+    r"nvjet|gemm|cutlass|cublas|xmma",  # cuBLAS and CUTLASS (the projections, the calibration GEMM)
+    r"CUDAFunctorOnSelf_add<float>",   # the calibration's copy (torch.add of a float32 scalar)
+])
 
 # ----------------------------------------------------------------------------------- the program
 
@@ -105,9 +121,10 @@ def main(argv=None) -> int:
     p.add_argument("raw", nargs="+")
     p.add_argument("--out", default=None)
     sub.add_parser("metrics", help="print the --metrics list the stage passes to ncu")
+    sub.add_parser("kernels", help="print the --kernel-name regex the stage passes to ncu (demangled names)")
     args = parser.parse_args(argv)
-    if args.command == "metrics":
-        print(",".join(EXTRA_METRICS))
+    if args.command in ("metrics", "kernels"):
+        print(",".join(EXTRA_METRICS) if args.command == "metrics" else KERNELS)
         return 0
     return layer(args) if args.command == "layer" else table(args)
 

@@ -28,12 +28,14 @@
 #   3 powerlaw  the 100M-message power-law graph, fused, bf16 autocast: 1 warm-up step, the
 #               memory pass, then 2 timed steps (`nt-kernels bench --layer --graph powerlaw`)
 #   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
-#               (scripts/gpu/gpu_measure.py roofline)
+#               (scripts/gpu/gpu_measure.py roofline); GPU_PERF_BLOCKS=1 runs it, and the op stage's exact
+#               subset (fused), again on the opt-in row blocks (NT_KERNELS_EXACT_BLOCKS=1)
 #   6 ncu       Nsight Compute over one warm tolokers layer, forward + backward, per variant of
 #               GPU_NCU_VARIANTS (default fused,fused:stream: the default and the candidate path;
 #               each an equal share of the stage), the first with a 1 GiB copy and a cuBLAS GEMM for
 #               calibration (scripts/gpu/gpu_ncu.py layer); kernel replay, --clock-control none,
-#               --import-source yes, --set detailed; the raw, details and source pages as CSV and
+#               --import-source yes, --set detailed, the project's, cuBLAS's and the calibration's kernels
+#               (gpu_ncu.py kernels; GPU_NCU_KERNELS=all or a regex for others); the raw, details and source pages as CSV and
 #               the per-kernel tables (logs/ncu-tables.md: scripts/gpu/gpu_ncu.py table) in results.tar.gz
 #   5 op        `nt-kernels bench` on tolokers' Performer-path, then exact-path segments, H = 4,
 #               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
@@ -57,11 +59,12 @@ export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers} GPU_PERF_VARIANT_TIMEOUT=${GPU_PERF_VARIANT_TIMEOUT:-45}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
 export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \
-  GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-} GPU_PERF_PERFORMER_SHAPE=${GPU_PERF_PERFORMER_SHAPE:-}
+  GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-} GPU_PERF_PERFORMER_SHAPE=${GPU_PERF_PERFORMER_SHAPE:-} \
+  GPU_PERF_BLOCKS=${GPU_PERF_BLOCKS:-0}
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
 # stages at least their minimums.
-declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="25 12"
-                   [op]="110 30" [ncu]="280 140")
+declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="45 15"
+                   [op]="150 40" [ncu]="260 100")
 ORDER=(warm layer steps powerlaw roofline op ncu)
 export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:stream}
 DRY_SCALE=1  # 5 in a dry run on the CPU
@@ -156,13 +159,20 @@ stage_op() {
       --out "$WORK/json/perf-op-performer-$dtype.json" || rc=1
   done
   ntpy "${bench[@]}" --subset exact --backends "$GPU_PERF_OP_BACKENDS" --out "$WORK/json/perf-op-exact.json" || rc=1
+  if [ "$GPU_PERF_BLOCKS" = 1 ]; then  # the exact subset again on the opt-in row blocks (plan.py), fused only
+    NT_KERNELS_EXACT_BLOCKS=1 bash -c 'ntpy "$@"' _ "${bench[@]}" --subset exact --backends fused \
+      --out "$WORK/json/perf-op-exact-blocks.json" || rc=1
+  fi
   return $rc
 }
 
 stage_roofline() {
   local args=(--device cuda)
   have_cuda || args=(--device cpu --edges 3000 --heads 2 --head-dim 8 --reps 2 --warmup 1)
-  ntpy "$REPO/scripts/gpu/gpu_measure.py" roofline "${args[@]}" --out "$WORK/json/perf-roofline.json"
+  ntpy "$REPO/scripts/gpu/gpu_measure.py" roofline "${args[@]}" --out "$WORK/json/perf-roofline.json" || return 1
+  [ "$GPU_PERF_BLOCKS" = 1 ] || return 0  # again on the opt-in row blocks: every segment of this graph is small
+  NT_KERNELS_EXACT_BLOCKS=1 bash -c 'ntpy "$@"' _ "$REPO/scripts/gpu/gpu_measure.py" roofline "${args[@]}" \
+    --out "$WORK/json/perf-roofline-blocks.json"
 }
 
 stage_powerlaw() {
@@ -179,11 +189,19 @@ ncu_variant() {
   rep=${rep//:/-}
   local profile=(--profile-from-start off --replay-mode kernel --clock-control none --import-source yes
                  --set detailed -f -o "$rep")
+  # The project's, cuBLAS's and the calibration's kernels (gpu_ncu.py's KERNELS); GPU_NCU_KERNELS=all: every one.
+  [ "${GPU_NCU_KERNELS:-}" = all ] \
+    || profile+=(--kernel-name-base demangled --kernel-name "regex:${GPU_NCU_KERNELS:-$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" kernels)}")
   mkdir -p "$dir" "$WORK/ncu-reports"
   local ncu=(timeout --kill-after=5 "${NCU_RUN_LIMIT:-100000}" "$NCU")  # its share of the stage (stage_ncu)
   (cd "$WORK" && "${ncu[@]}" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" metrics)" "$PY" -P \
     "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
   rc=$?
+  if grep -q "No kernels were profiled" "$dir/run-$label.log" && [ "${GPU_NCU_KERNELS:-}" != all ]; then
+    echo "-- $variant: the kernel filter matched nothing; again with every kernel"
+    GPU_NCU_KERNELS=all ncu_variant "$variant" "$@"
+    return $?
+  fi
   if [ $rc -ne 0 ] && grep -qi "metric" "$dir/run-$label.log"; then
     echo "-- $variant: ncu refused the metric list (run-$label.log); again with the sections' metrics"
     (cd "$WORK" && "${ncu[@]}" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" \
@@ -192,11 +210,12 @@ ncu_variant() {
   fi
   grep -E "gpu_ncu layer|==ERROR==|==WARNING==" "$dir/run-$label.log" | head -5
   [ -f "$rep.ncu-rep" ] || { echo "-- $variant: no report (exit $rc)"; return 1; }
-  # raw first (the tables), then the source lines (CUDA / Python lines only: with the SASS interleaved the
-  # first H200 ncu run's export took most of a minute and was cut), then the rule texts of the details page.
+  # raw first (the tables), then the rule texts of the details page, then the source page last and cut at
+  # 60 s (a cut page keeps the kernels it reached): with cuda alone ncu writes the lines without their
+  # metrics (2026-11-28b), so the SASS rows come along, which made the first H200 run's export take a minute.
   "$NCU" -i "$rep.ncu-rep" --csv --page raw >"$dir/raw-$label.csv" 2>&1
-  "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source cuda >"$dir/source-$label.csv" 2>&1
   "$NCU" -i "$rep.ncu-rep" --csv --page details >"$dir/details-$label.csv" 2>&1
+  timeout 60 "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source cuda,sass >"$dir/source-$label.csv" 2>&1
   echo "-- $variant: exit $rc; $(grep -c . "$dir/raw-$label.csv") raw lines, $(wc -c <"$dir/source-$label.csv") bytes of source page"
   return $rc
 }
@@ -205,7 +224,7 @@ stage_ncu() {
   local variant first=1 rc=0 calib
   if ! have_cuda; then
     echo "SKIP ncu (no CUDA device): the profiled program on CPU (graph cut down), then the tables from the"
-    echo "committed CSV fixture (tests/data/ncu)"
+    echo "committed CSV fixture (tests/data/ncu); kernel filter: $(ntpy "$REPO/scripts/gpu/gpu_ncu.py" kernels)"
     ntpy "$REPO/scripts/gpu/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
     ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
       >/dev/null || return 1
@@ -216,7 +235,7 @@ stage_ncu() {
   [ -n "$NCU" ] || { echo "SKIP ncu: not on PATH (set NCU to its path)"; return 1; }
   export NCU
   "$NCU" --version | tail -1
-  # Each variant's profiled program gets an equal share of what is left (20 s of it kept for its exports):
+  # Each variant's profiled program gets an equal share of what is left (40 s of it kept for its exports):
   # a variant that hangs (the flash Performer on 2026-11-28) leaves the next its time.
   local stage_end=$(( $(date +%s) + STAGE_LIMIT - 10 )) left
   left=$(wc -w <<<"${GPU_NCU_VARIANTS//,/ }")
@@ -224,7 +243,7 @@ stage_ncu() {
     calib=()
     [ $first = 1 ] && calib=(--calibrate)
     first=0
-    NCU_RUN_LIMIT=$(( (stage_end - $(date +%s)) / left - 20 ))
+    NCU_RUN_LIMIT=$(( (stage_end - $(date +%s)) / left - 40 ))
     export NCU_RUN_LIMIT=$(( NCU_RUN_LIMIT < 10 ? 10 : NCU_RUN_LIMIT ))  # timeout 0 would mean none
     left=$(( left - 1 ))
     echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left," \

@@ -44,10 +44,12 @@ def collect(work: str) -> dict:
             "layer": load(f"{work}/json/perf-layer.json"),
             **{f"layer_{os.path.basename(p)[11:-5]}": load(p) for p in sorted(glob.glob(f"{work}/json/perf-layer-*.json"))},
             "op_exact": op_summary(load(f"{work}/json/perf-op-exact.json")),
+            "op_exact_blocks": op_summary(load(f"{work}/json/perf-op-exact-blocks.json")),
             "op_performer": op_summary(load(f"{work}/json/perf-op-performer.json")),
             **{f"op_performer_{os.path.basename(p)[18:-5]}": op_summary(load(p))
                for p in sorted(glob.glob(f"{work}/json/perf-op-performer-*.json"))},
             "roofline": load(f"{work}/json/perf-roofline.json"),
+            "roofline_blocks": load(f"{work}/json/perf-roofline-blocks.json"),
             "steps": load(f"{work}/json/perf-steps.json"),
             "powerlaw": powerlaw[0] if powerlaw else None,
             "triton": {name: gpu_triton.counts(records, name) for name in stages}}
@@ -96,11 +98,13 @@ def table(doc: dict) -> str:
             cells = [f"{name} {fmt(r.get('forward_backward_ms'), '.2f')}/{fmt(r.get('forward_ms'), '.2f')} ms"
                      + ("" if r["status"] == "ok" else f" [{r['status'][:30]}]") for name, r in op["backends"].items()]
             s = op["settings"]
-            lines.append(f"op {s['subset']:9s} H={s['heads']} D={s['head_dim']} {s['dtype']} (fwd+bwd/fwd): "
+            label = key[3:].replace("_", " ")  # exact, exact blocks, performer, performer float32
+            lines.append(f"op {label:16s} H={s['heads']} D={s['head_dim']} {s['dtype']} (fwd+bwd/fwd): "
                          + ", ".join(cells))
-    roof = doc["roofline"]
-    if roof:
-        lines.append(f"roofline E={roof['num_edges']:,} {roof['dtype']}: fwd {roof['forward_ms']:.2f} ms = "
+    for label, roof in (("roofline", doc["roofline"]), ("roofline (row blocks)", doc.get("roofline_blocks"))):
+        if not roof:
+            continue
+        lines.append(f"{label} E={roof['num_edges']:,} {roof['dtype']}: fwd {roof['forward_ms']:.2f} ms = "
                      f"{roof['forward_gb_per_s']:.0f} GB/s = {100 * roof['fraction_of_copy_bandwidth']:.0f}% of copy "
                      f"{roof['copy_gb_per_s']:.0f} GB/s; fwd+bwd {roof['forward_backward_ms']:.2f} ms"
                      + (f" = {100 * roof['forward_backward_fraction_of_copy_bandwidth']:.0f}% of copy"

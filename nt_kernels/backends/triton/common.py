@@ -30,6 +30,10 @@ H_TILES = tl.constexpr(plan_layout.H_TILES)
 H_TILE_OFF = tl.constexpr(plan_layout.H_TILE_OFF)
 H_MULTI = tl.constexpr(plan_layout.H_MULTI)
 H_MULTI_OFF = tl.constexpr(plan_layout.H_MULTI_OFF)
+H_BLOCKS = tl.constexpr(plan_layout.H_BLOCKS)
+H_BLOCK_OFF = tl.constexpr(plan_layout.H_BLOCK_OFF)
+H_KEYS_OFF = tl.constexpr(plan_layout.H_KEYS_OFF)
+BLOCK_CLASS = tl.constexpr(plan_layout.BLOCK_CLASS)
 # The exact kernels' log-sum-exp pointer is not specialised on its alignment: the fused layer passes the rows of a
 # chunk (a view at any row), and the kernels read and write it one element per row anyway.
 LSE_UNALIGNED = ["lse_ptr"]
@@ -108,16 +112,21 @@ def choose_spec(kernel: str, make_spec, q: torch.Tensor, tile, grid, tensors: di
 
 
 def exact_launches(q: torch.Tensor, work, packed_kernel: str, packed_spec_of, multi_kernels: dict,
-                   args: dict) -> list[tuple[str, Spec, tuple]]:
+                   args: dict, blocks: bool = False) -> list[tuple[str, Spec, tuple]]:
     """(kernel, spec, grid) of one pass of the exact kernels for q's dtype, head dim and device:
     ``packed_kernel`` for each packed class the plan can hold (``packed_spec_of(config, cls, tile)``),
-    then the multi-tile kernels (``multi_kernels``: name -> spec_of(config)).  With ``work`` (tiles per
-    packed class, then multi-tile items, known on the host: ``ntconv_plan.Chunk.exact_work``) only
-    those with work, on grids no larger than it.  ``args``: each kernel's launch arguments, read only
-    when NT_KERNELS_TRITON_AUTOTUNE=1 times the configs."""
+    with ``blocks`` (a plan with row blocks, plan.py) also for the row blocks (class BLOCK_CLASS, the
+    64-row tile's config), then the multi-tile kernels (``multi_kernels``: name -> spec_of(config)).
+    With ``work`` (tiles per packed class, then multi-tile items, known on the host:
+    ``ntconv_plan.Chunk.exact_work``; such plans have no row blocks) only those with work, on grids no
+    larger than it.  ``args``: each kernel's launch arguments, read only when NT_KERNELS_TRITON_AUTOTUNE=1
+    times the configs."""
     _, heads, head_dim = q.shape
     out = []
-    for c, tile in packed_classes(q.dtype, head_dim, shared_memory_per_block(q.device)):
+    classes = packed_classes(q.dtype, head_dim, shared_memory_per_block(q.device))
+    if blocks and work is None:
+        classes.append((plan_layout.BLOCK_CLASS, plan_layout.PLAN_BLOCK))
+    for c, tile in classes:
         if work is None or work[c]:
             grid = persistent_grid(q.device, None if work is None else work[c], heads)
             spec = choose_spec(packed_kernel, lambda cfg: packed_spec_of(cfg, c, tile), q, tile, grid,
@@ -172,9 +181,31 @@ def block_d(d: int) -> int:
 
 
 @triton.jit
-def packed_rows(plan, t, tab, TILE: tl.constexpr):
-    """Rows of packed tile t: (row index, local segment id, valid mask) per tile row."""
+def tile_table(plan, CLASS: tl.constexpr):
+    """(tiles, offset of the first tile's entry) of packed class CLASS, or of the row blocks (BLOCK_CLASS)."""
+    if CLASS == BLOCK_CLASS:
+        return tl.load(plan + H_BLOCKS), tl.load(plan + H_BLOCK_OFF)
+    return tl.load(plan + H_TILES + CLASS), tl.load(plan + H_TILE_OFF + CLASS)
+
+
+@triton.jit
+def block_rows(plan, first, nrows, r):
+    """Rows first + r of a row block (r < nrows): (row index, local segment id, valid mask).  The row's key (its
+    segment start, -1 outside the plan's small segments) comes with one load beside the rows themselves; the
+    block holds whole segments, so key - first (0..63) is the local id, and -1 marks the rows it skips."""
+    inside = r < nrows
+    key = tl.load(plan + tl.load(plan + H_KEYS_OFF) + first + r, mask=inside, other=-1)
+    valid = key >= 0
+    return first + r, tl.where(valid, key - first, -1).to(tl.int32), valid
+
+
+@triton.jit
+def packed_rows(plan, t, tab, TILE: tl.constexpr, CLASS: tl.constexpr):
+    """Rows of packed tile t: (row index, local segment id, valid mask) per tile row (the row blocks:
+    CLASS == BLOCK_CLASS, block_rows)."""
     entry = tab + 3 * t
+    if CLASS == BLOCK_CLASS:
+        return block_rows(plan, tl.load(plan + entry), tl.load(plan + entry + 1), tl.arange(0, TILE))
     first = tl.load(plan + entry)
     count = tl.load(plan + entry + 1).to(tl.int32)
     n = tl.load(plan + entry + 2).to(tl.int32)

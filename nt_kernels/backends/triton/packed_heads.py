@@ -31,23 +31,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_TILE_OFF, H_TILES, LN2, LOG2E_C, LSE_UNALIGNED, cast, finite_or_zero,
-                                               mm)
+from nt_kernels.backends.triton.common import (BLOCK_CLASS, LN2, LOG2E_C, LSE_UNALIGNED, block_rows, cast,
+                                               finite_or_zero, mm, tile_table)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
 def tile_rows(plan, tab, n_tiles, g, TILE: tl.constexpr, TILES: tl.constexpr, H: tl.constexpr,
-              HP: tl.constexpr):
+              HP: tl.constexpr, CLASS: tl.constexpr):
     """Rows of work item g (TILES packed tiles x HP heads): per (b, r) the packed row index,
-    its local segment id and whether it is valid, and per b its head."""
+    its local segment id and whether it is valid (the row blocks: common.block_rows), and per b its
+    head."""
     b = tl.arange(0, TILES * HP)
     r = tl.arange(0, TILE)
     t = g * TILES + b // HP
     h = b % HP
     live = (t < n_tiles) & (h < H)
     entry = tab + 3 * t
+    if CLASS == BLOCK_CLASS:
+        first = tl.load(plan + entry, mask=live, other=0)
+        nrows = tl.load(plan + entry + 1, mask=live, other=0)
+        row, seg, valid = block_rows(plan, first[:, None], nrows[:, None], r[None, :])
+        return row, seg, valid, h
     first = tl.load(plan + entry, mask=live, other=0)
     count = tl.load(plan + entry + 1, mask=live, other=0).to(tl.int32)
     n = tl.load(plan + entry + 2, mask=live, other=1).to(tl.int32)
@@ -67,10 +73,10 @@ def load_heads(ptr, offs, valid, D: tl.constexpr, DP: tl.constexpr):
 
 @triton.jit
 def tile_qkv(q_ptr, k_ptr, v_ptr, plan, tab, n_tiles, g, TILE: tl.constexpr, TILES: tl.constexpr,
-             H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+             H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CLASS: tl.constexpr):
     """Work item g's rows (tile_rows), their element offsets, whole rows of q, k, v, and the
     (B, TILE, TILE) same-segment mask."""
-    row, seg, valid, h = tile_rows(plan, tab, n_tiles, g, TILE, TILES, H, HP)
+    row, seg, valid, h = tile_rows(plan, tab, n_tiles, g, TILE, TILES, H, HP, CLASS)
     offs = row * (H * D) + (h * D)[:, None]
     q = load_heads(q_ptr, offs, valid, D, DP)
     k = load_heads(k_ptr, offs, valid, D, DP)
@@ -120,12 +126,11 @@ def _fwd_heads_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, qk_scale,
                       H: tl.constexpr, D: tl.constexpr, CLASS: tl.constexpr, TILE: tl.constexpr,
                       TILES: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr,
                       DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    n_tiles = tl.load(plan + H_TILES + CLASS)
-    tab = tl.load(plan + H_TILE_OFF + CLASS)
+    n_tiles, tab = tile_table(plan, CLASS)
     for g in range(tl.program_id(0), tl.cdiv(n_tiles, TILES), tl.num_programs(0)):
         # Step 1: the rows of TILES tiles, every head; whole rows of q, k, v.
         row, valid, h, offs, q, k, v, same = tile_qkv(q_ptr, k_ptr, v_ptr, plan, tab, n_tiles, g, TILE, TILES, H,
-                                                      HP, D, DP)
+                                                      HP, D, DP, CLASS)
         # Step 2: scores in the log2 domain, block-diagonal mask per tile.
         s = tl.where(same, dot_d(q, k, DOT, DOT_PREC, BF16_EMU) * qk_scale, NEG_INF)
         # Step 3: one-pass softmax (every key of a row is in its tile) and P V.
@@ -144,12 +149,11 @@ def _bwd_heads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_p
                       H: tl.constexpr, D: tl.constexpr, CLASS: tl.constexpr, TILE: tl.constexpr,
                       TILES: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, DOT: tl.constexpr,
                       DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    n_tiles = tl.load(plan + H_TILES + CLASS)
-    tab = tl.load(plan + H_TILE_OFF + CLASS)
+    n_tiles, tab = tile_table(plan, CLASS)
     for g in range(tl.program_id(0), tl.cdiv(n_tiles, TILES), tl.num_programs(0)):
         # Step 1: whole rows of q, k, v, dO and the lse of TILES tiles, every head.
         row, valid, h, offs, q, k, v, same = tile_qkv(q_ptr, k_ptr, v_ptr, plan, tab, n_tiles, g, TILE, TILES, H,
-                                                      HP, D, DP)
+                                                      HP, D, DP, CLASS)
         do = load_heads(do_ptr, offs, valid, D, DP)
         lse = tl.load(lse_ptr + row * H + h[:, None], mask=valid, other=0.0) * LOG2E_C
         # Step 2: P recomputed from the lse, zero outside the block diagonal.
@@ -159,7 +163,7 @@ def _bwd_heads_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_p
         # segments are made finite so a zero weight never meets another segment's NaN.
         dv = dot_rows(tl.permute(p, (0, 2, 1)), finite_or_zero(do), DOT, DOT_PREC, BF16_EMU)
         pdp = tl.where(same, p * dot_d(do, v, DOT, DOT_PREC, BF16_EMU), 0.0)
-        ds = pdp - p * tl.sum(pdp, axis=2)[:, :, None]
+        ds = tl.where(same, pdp - p * tl.sum(pdp, axis=2)[:, :, None], 0.0)  # a NaN delta stays in its segment
         # Step 4: dQ = scale dS K, dK = scale dS^T Q.
         dq = dot_rows(ds, finite_or_zero(k), DOT, DOT_PREC, BF16_EMU) * scale
         dk = dot_rows(tl.permute(ds, (0, 2, 1)), finite_or_zero(q), DOT, DOT_PREC, BF16_EMU) * scale

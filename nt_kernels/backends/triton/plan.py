@@ -21,6 +21,18 @@ Scheduling:
   block in the dK/dV pass), each looping over the segment's other blocks.
   Items are ordered by decreasing segment size for load balance.
 * Empty segments produce no work; rows of segments not listed are never named.
+* Opt-in *row blocks* (``blocks=True``; issue 40): segments of 1 <= n <=
+  ``BLOCK_SMALL`` (16) rows are not packed by size but taken in place, as
+  contiguous runs of packed rows: window w holds the listed small segments
+  whose start row lies in [w * BLOCK_WINDOW, (w + 1) * BLOCK_WINDOW)
+  (BLOCK_WINDOW = 49), from the first such start to the last such end, at most
+  BLOCK_WINDOW - 1 + BLOCK_SMALL = 64 rows: one 64-row tile (class
+  BLOCK_CLASS) with whole segments only.  A per-row key (the row's segment
+  start, -1 for rows of segments that are not listed or not small) is the
+  block-diagonal mask, read with one vector load beside the rows themselves:
+  no chain of dependent loads (tile entry, then segment starts, then rows) and
+  no division per element.  Windows without a small segment are sorted last
+  and not counted.
 
 Layout (all int64, offsets are absolute indices into the plan):
 
@@ -30,10 +42,17 @@ Layout (all int64, offsets are absolute indices into the plan):
   header[7]        number of multi-tile work items
   header[8]        offset of the multi-tile items (3 entries per item)
   header[9]        max_tile
+  header[10]       number of row-block tiles (0 without ``blocks``)
+  header[11]       offset of the row-block tiles (3 entries per tile)
+  header[12]       offset of the per-row keys (E entries; only with ``blocks``)
   tiles            (first, count, n): ``count`` segments of size n whose start
                    rows are ``plan[first : first + count]``
   starts           start rows of the packed segments, sorted by (class, n)
   multi            (start row, n, block index)
+  row blocks       (first row, rows, 0) per non-empty window, then the empty
+                   windows; only with ``blocks``
+  keys             per packed row, its segment's start row if that segment is
+                   listed and small, else -1; only with ``blocks``
 
 The tile and item regions are sized by upper bounds known on the host (number
 of segments K, number of rows E); the kernels read the true counts from the
@@ -41,16 +60,25 @@ header, so building a plan needs no host sync.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["PLAN_BLOCK", "SM90_SHARED_MEMORY", "TILE_HEIGHTS", "build_plan", "check_plan", "describe_plan",
-           "max_packed_tile", "plan_length", "shared_memory_per_block"]
+__all__ = ["BLOCK_CLASS", "BLOCK_SMALL", "BLOCK_WINDOW", "PLAN_BLOCK", "SM90_SHARED_MEMORY", "TILE_HEIGHTS",
+           "blocks_requested", "build_plan", "check_plan", "describe_plan", "has_blocks", "max_packed_tile",
+           "plan_length", "shared_memory_per_block"]
 
 PLAN_MAGIC = 0x4E54_5031  # "NTP1"
 PLAN_BLOCK = 64
 TILE_HEIGHTS = (16, 32, 64)
 HEADER = 16
 H_TILES, H_TILE_OFF, H_MULTI, H_MULTI_OFF, H_MAX_TILE = 1, 4, 7, 8, 9
+H_BLOCKS, H_BLOCK_OFF, H_KEYS_OFF = 10, 11, 12
+# Row blocks (opt-in): segments of at most BLOCK_SMALL rows, taken in windows of BLOCK_WINDOW start rows, so that
+# a window's rows (from its first start to its last end) fit one PLAN_BLOCK-row tile of class BLOCK_CLASS.
+BLOCK_SMALL = 16
+BLOCK_WINDOW = PLAN_BLOCK - BLOCK_SMALL + 1
+BLOCK_CLASS = len(TILE_HEIGHTS) + 1
 _NUM_KEYS = PLAN_BLOCK + 1  # group key = class * _NUM_KEYS + n
 SM90_SHARED_MEMORY = 232_448  # opt-in shared memory per block of sm_90, bytes
 PACKED_OPERANDS = 4  # TILE x BLOCK_D operands the packed backward keeps in shared memory
@@ -126,9 +154,31 @@ def _multi_bound(num_rows: int, max_tile: int) -> int:
     return 2 * num_rows // (max_tile + 1) + 1
 
 
-def plan_length(num_segments: int, num_rows: int, max_tile: int) -> int:
-    """Length of a plan for ``num_segments`` segments of a CSR with ``num_rows`` rows and tile cap ``max_tile``."""
-    return HEADER + 4 * num_segments + 3 * _multi_bound(num_rows, max_tile)
+BLOCKS_ENV = "NT_KERNELS_EXACT_BLOCKS"
+
+
+def blocks_requested(max_tile: int) -> bool:
+    """Whether the exact op's plans take row blocks: ``NT_KERNELS_EXACT_BLOCKS=1`` (opt-in until a GPU has
+    timed them; read at every call) and a 64-row tile cap."""
+    return max_tile == PLAN_BLOCK and os.environ.get(BLOCKS_ENV, "0") == "1"
+
+
+def has_blocks(plan: torch.Tensor, num_segments: int, num_rows: int) -> bool:
+    """Whether ``plan`` (checked by :func:`check_plan`) was built with row blocks: read from its length on the
+    host.  (Launching the row-block class on a plan without them is only a wasted launch: its count is 0.)"""
+    return plan.numel() == plan_length(num_segments, num_rows, PLAN_BLOCK, True)
+
+
+def _windows(num_rows: int) -> int:
+    """Row-block windows of a CSR with ``num_rows`` rows."""
+    return -(-num_rows // BLOCK_WINDOW)
+
+
+def plan_length(num_segments: int, num_rows: int, max_tile: int, blocks: bool = False) -> int:
+    """Length of a plan for ``num_segments`` segments of a CSR with ``num_rows`` rows and tile cap ``max_tile``
+    (with the row-block region and the per-row keys when ``blocks``)."""
+    length = HEADER + 4 * num_segments + 3 * _multi_bound(num_rows, max_tile)
+    return length + 3 * _windows(num_rows) + num_rows if blocks else length
 
 
 def check_plan(op: str, plan: torch.Tensor, segments: torch.Tensor, num_rows: int, max_tile: int) -> None:
@@ -144,7 +194,10 @@ def check_plan(op: str, plan: torch.Tensor, segments: torch.Tensor, num_rows: in
         raise ValueError(f"{op}: plan must be a 1-D int64 tensor from build_plan")
     if plan.device != segments.device:
         raise ValueError(f"{op}: plan is on {plan.device} but the segments are on {segments.device}")
-    allowed = sorted({plan_length(segments.numel(), num_rows, t) for t in TILE_HEIGHTS if t <= max_tile})
+    allowed = {plan_length(segments.numel(), num_rows, t) for t in TILE_HEIGHTS if t <= max_tile}
+    if max_tile == PLAN_BLOCK:  # with row blocks (64-row tiles only)
+        allowed.add(plan_length(segments.numel(), num_rows, PLAN_BLOCK, True))
+    allowed = sorted(allowed)
     if plan.numel() not in allowed:
         raise ValueError(f"{op}: plan does not match the segment list: it has {plan.numel()} entries, a plan of "
                          f"{segments.numel()} segments over E = {num_rows} rows with max_tile <= {max_tile} has "
@@ -152,17 +205,21 @@ def check_plan(op: str, plan: torch.Tensor, segments: torch.Tensor, num_rows: in
 
 
 def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | None = None,
-               max_tile: int = PLAN_BLOCK):
+               max_tile: int = PLAN_BLOCK, blocks: bool = False):
     """Build the work list for ``segments`` (1-D int64 segment ids) of a CSR ``rowptr``.
 
     ``num_rows`` (= rowptr[-1] = E) sizes the multi-tile region; when it is not
     given it is read from ``rowptr`` (one host sync).  ``max_tile`` (one of
     TILE_HEIGHTS, see :func:`max_packed_tile`) is the tallest packed tile;
-    larger segments become multi-tile items.  Returns a 1-D int64 tensor on
-    ``rowptr``'s device, of length :func:`plan_length`.
+    larger segments become multi-tile items.  ``blocks`` (only with
+    ``max_tile`` = PLAN_BLOCK) takes the segments of at most BLOCK_SMALL rows
+    in place as row blocks instead of packing them by size.  Returns a 1-D
+    int64 tensor on ``rowptr``'s device, of length :func:`plan_length`.
     """
     if max_tile not in TILE_HEIGHTS:
         raise ValueError(f"build_plan: max_tile must be one of {TILE_HEIGHTS}, got {max_tile}")
+    if blocks and max_tile != PLAN_BLOCK:
+        raise ValueError(f"build_plan: blocks needs max_tile = {PLAN_BLOCK} (the row-block tile), got {max_tile}")
     device = rowptr.device
     rowptr = rowptr.to(torch.int64)
     seg = segments.to(device=device, dtype=torch.int64).reshape(-1)
@@ -172,17 +229,29 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
     multi_bound = _multi_bound(num_rows, max_tile)
     starts_off = HEADER + 3 * num_seg
     multi_off = starts_off + num_seg
+    block_off = multi_off + 3 * multi_bound
+    keys_off = block_off + 3 * _windows(num_rows)
     if num_seg == 0:
         header = torch.zeros(HEADER, dtype=torch.int64, device=device)
         header[0] = PLAN_MAGIC
         header[H_MULTI_OFF] = multi_off
         header[H_MAX_TILE] = max_tile
-        return torch.cat([header, torch.zeros(3 * multi_bound, dtype=torch.int64, device=device)])
+        tail = 3 * multi_bound
+        if blocks:
+            header[H_BLOCK_OFF], header[H_KEYS_OFF] = block_off, keys_off
+            tail += keys_off - block_off
+        parts = [header, torch.zeros(tail, dtype=torch.int64, device=device)]
+        if blocks:
+            parts.append(torch.full((num_rows,), -1, dtype=torch.int64, device=device))
+        return torch.cat(parts)
 
-    # Step 1: size and class of every listed segment.
+    # Step 1: size and class of every listed segment (row-block segments leave the packed and multi-tile classes).
     start = rowptr[seg]
     size = rowptr[seg + 1] - start
     cls = _class_table(device, max_tile)[size.clamp(max=PLAN_BLOCK + 1)]
+    small = (size >= 1) & (size <= BLOCK_SMALL) if blocks else None
+    if blocks:
+        cls = torch.where(small, torch.full_like(cls, -1), cls)
     # Steps 2-4: packed segments grouped by (class, size), then cut into tiles.
     sorted_starts, group_count, group_first = _packed_groups(start, size, cls)
     tiles, class_tiles, class_first = _packed_tiles(group_count, group_first, num_seg, starts_off)
@@ -195,9 +264,43 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
         HEADER + 3 * class_first,
         num_items,
         torch.tensor([multi_off, max_tile], dtype=torch.int64, device=device),
-        torch.zeros(HEADER - 10, dtype=torch.int64, device=device),
     ])
-    return torch.cat([header, tiles, sorted_starts, multi])
+    if not blocks:
+        header = torch.cat([header, torch.zeros(HEADER - 10, dtype=torch.int64, device=device)])
+        return torch.cat([header, tiles, sorted_starts, multi])
+    # Step 7 (row blocks): the windows' tiles and the per-row keys.
+    block_tiles, num_blocks = _row_blocks(start, size, small, num_rows)
+    keys = _row_keys(rowptr, seg, small, num_rows)
+    header = torch.cat([header, num_blocks, torch.tensor([block_off, keys_off], dtype=torch.int64, device=device),
+                        torch.zeros(HEADER - 13, dtype=torch.int64, device=device)])
+    return torch.cat([header, tiles, sorted_starts, multi, block_tiles, keys])
+
+
+def _row_blocks(start: torch.Tensor, size: torch.Tensor, small: torch.Tensor, num_rows: int):
+    """Step 7a: per window, (first row, rows, 0) from its first small segment's start to its last one's end
+    (integer min / max: deterministic), non-empty windows first; and their count (a 1-element tensor)."""
+    windows = _windows(num_rows)
+    device = start.device
+    slot = torch.where(small, start // BLOCK_WINDOW, torch.full_like(start, windows))  # slot `windows`: the rest
+    lo = torch.full((windows + 1,), num_rows, dtype=torch.int64, device=device)
+    lo.scatter_reduce_(0, slot, start, "amin")
+    hi = torch.zeros(windows + 1, dtype=torch.int64, device=device)
+    hi.scatter_reduce_(0, slot, start + size, "amax")
+    lo, hi = lo[:windows], hi[:windows]
+    empty = hi <= lo
+    order = torch.argsort(empty.to(torch.int8), stable=True)
+    rows = torch.where(empty, 0, hi - lo)[order]
+    entries = torch.stack([lo[order].clamp(max=max(num_rows - 1, 0)), rows, torch.zeros_like(rows)], 1)
+    return entries.reshape(-1), (~empty).sum().reshape(1)
+
+
+def _row_keys(rowptr: torch.Tensor, seg: torch.Tensor, small: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Step 7b: per packed row, its segment's start row where that segment is listed and small, else -1."""
+    device = rowptr.device
+    flag = torch.zeros(rowptr.numel() - 1, dtype=torch.bool, device=device)
+    flag.scatter_(0, seg, small)
+    row_seg = torch.searchsorted(rowptr, torch.arange(num_rows, device=device), right=True) - 1
+    return torch.where(flag[row_seg], rowptr[row_seg], torch.full_like(row_seg, -1))
 
 
 def _packed_groups(start: torch.Tensor, size: torch.Tensor, cls: torch.Tensor):
@@ -275,4 +378,9 @@ def describe_plan(plan: torch.Tensor) -> dict:
             packed.append((height, n, p[first: first + count]))
     off = p[H_MULTI_OFF]
     multi = [tuple(p[off + 3 * i: off + 3 * i + 3]) for i in range(p[H_MULTI])]
-    return {"packed": packed, "multi": multi}
+    if not p[H_KEYS_OFF]:
+        return {"packed": packed, "multi": multi}
+    off, keys = p[H_BLOCK_OFF], p[H_KEYS_OFF]
+    blocks = [(p[off + 3 * t], p[keys + p[off + 3 * t]: keys + p[off + 3 * t] + p[off + 3 * t + 1]])
+              for t in range(p[H_BLOCKS])]
+    return {"packed": packed, "multi": multi, "blocks": blocks}

@@ -20,36 +20,40 @@ import torch
 from torch.library import register_kernel
 
 from nt_kernels.backends.triton import ntconv_op
-from nt_kernels.backends.triton.plan import build_plan, check_plan, max_packed_tile, shared_memory_per_block
+from nt_kernels.backends.triton.plan import (blocks_requested, build_plan, check_plan, has_blocks, max_packed_tile,
+                                             shared_memory_per_block)
 from nt_kernels.backends.triton.softmax_bwd import softmax_bwd
 from nt_kernels.backends.triton.softmax_fwd import softmax_fwd
 
 __all__ = ["register", "softmax_bwd_into", "softmax_fwd_into"]
 
 
-def _plan(op: str, plan, rowptr: torch.Tensor, segments: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The given plan, checked against the segment list, or a fresh one for ``segments``."""
+def _plan(op: str, plan, rowptr: torch.Tensor, segments: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The given plan, checked against the segment list, or a fresh one for ``segments`` (with row blocks
+    under NT_KERNELS_EXACT_BLOCKS=1); and whether it has row blocks."""
     max_tile = max_packed_tile(q.dtype, q.shape[2], shared_memory_per_block(q.device))
     if plan is None:
-        return build_plan(rowptr, segments, q.shape[0], max_tile)
+        blocks = blocks_requested(max_tile)
+        return build_plan(rowptr, segments, q.shape[0], max_tile, blocks), blocks
     check_plan(op, plan, segments, q.shape[0], max_tile)
-    return plan
+    return plan, has_blocks(plan, segments.numel(), q.shape[0])
 
 
 def softmax_fwd_into(o, lse, q, k, v, rowptr, segments, plan, scale) -> None:
     """Triton implementation of ``nt_kernels::softmax_fwd_into`` (registered for CUDA)."""
     if segments.numel() == 0 or q.shape[0] == 0:
         return
-    plan = _plan("softmax_fwd_into", plan, rowptr, segments, q)
-    softmax_fwd(o, lse, q, k, v, plan, scale, torch.backends.cuda.matmul.allow_tf32)
+    plan, blocks = _plan("softmax_fwd_into", plan, rowptr, segments, q)
+    softmax_fwd(o, lse, q, k, v, plan, scale, torch.backends.cuda.matmul.allow_tf32, blocks=blocks)
 
 
 def softmax_bwd_into(dq, dk, dv, grad_o, q, k, v, o, lse, rowptr, segments, plan, scale) -> None:
     """Triton implementation of ``nt_kernels::softmax_bwd_into`` (registered for CUDA)."""
     if segments.numel() == 0 or q.shape[0] == 0:
         return
-    plan = _plan("softmax_bwd_into", plan, rowptr, segments, q)
-    softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, torch.backends.cuda.matmul.allow_tf32)
+    plan, blocks = _plan("softmax_bwd_into", plan, rowptr, segments, q)
+    softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, torch.backends.cuda.matmul.allow_tf32,
+                blocks=blocks)
 
 
 def register() -> None:

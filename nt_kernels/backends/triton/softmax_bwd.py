@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LOG2E, LOG2E_C, LSE_UNALIGNED,
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, LOG2E, LOG2E_C, LSE_UNALIGNED,
                                                Spec, block_d, cast, exact_launches, finite_or_zero, key_block, launch,
                                                load_rows, meta_args, mm, nonfinite_rows, packed_rows, packed_spec,
-                                               segment_any)
+                                               segment_any, tile_table)
 from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
@@ -45,14 +45,14 @@ def _bwd_packed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_
                        plan, H, D, scale, qk_scale,
                        CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
                        DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    n_work = tl.load(plan + H_TILES + CLASS) * H
-    tab = tl.load(plan + H_TILE_OFF + CLASS)
+    n_tiles, tab = tile_table(plan, CLASS)
+    n_work = n_tiles * H
     d = tl.arange(0, BLOCK_D)
     for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
         # Step 1: load the tile's rows (queries and keys are the same rows).
         t = w // H
         h = w % H
-        row, seg, valid = packed_rows(plan, t, tab, TILE)
+        row, seg, valid = packed_rows(plan, t, tab, TILE, CLASS)
         offs = row * (H * D) + h * D
         q = load_rows(q_ptr, offs, valid, d, D)
         k = load_rows(k_ptr, offs, valid, d, D)
@@ -70,7 +70,7 @@ def _bwd_packed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_
         dv = mm(cast(tl.trans(p), do.dtype, BF16_EMU), finite_or_zero(do), DOT_PREC, BF16_EMU)
         dp = mm(do, tl.trans(v), DOT_PREC, BF16_EMU)
         pdp = tl.where(same, p * dp, 0.0)
-        ds = pdp - p * tl.sum(pdp, axis=1)[:, None]
+        ds = tl.where(same, pdp - p * tl.sum(pdp, axis=1)[:, None], 0.0)  # a NaN delta stays in its segment
         # Step 4: dQ = scale dS K, dK = scale dS^T Q.
         dq = mm(cast(ds, k.dtype, BF16_EMU), finite_or_zero(k), DOT_PREC, BF16_EMU) * scale
         ds_t = cast(tl.trans(ds), q.dtype, BF16_EMU)
@@ -205,24 +205,27 @@ def bwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: i
                 config["num_warps"], config["num_stages"])
 
 
-def bwd_launches(q, args: dict, allow_tf32: bool = False, work=None) -> list[tuple[str, Spec, tuple]]:
-    """(kernel, spec, grid) of every backward launch (``common.exact_launches``): the packed classes,
-    then the multi-tile dQ and dK/dV passes; only those with ``work`` when it is given."""
+def bwd_launches(q, args: dict, allow_tf32: bool = False, work=None,
+                 blocks: bool = False) -> list[tuple[str, Spec, tuple]]:
+    """(kernel, spec, grid) of every backward launch (``common.exact_launches``): the packed classes (and
+    the row blocks with ``blocks``), then the multi-tile dQ and dK/dV passes; only those with ``work``
+    when it is given."""
     dtype, heads, head_dim = q.dtype, q.shape[1], q.shape[2]
     return exact_launches(
         q, work, "bwd_packed",
         lambda cfg, c, tile: bwd_spec("bwd_packed", cfg, dtype, heads, head_dim, c, tile, allow_tf32),
         {kernel: (lambda cfg, kernel=kernel: bwd_spec(kernel, cfg, dtype, heads, head_dim, allow_tf32=allow_tf32))
-         for kernel in ("bwd_dq", "bwd_dkdv")}, args)
+         for kernel in ("bwd_dq", "bwd_dkdv")}, args, blocks)
 
 
-def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False, work=None, memo=None):
+def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=False, work=None, memo=None,
+                blocks=False):
     """Write dq, dk, dv (E, H, D) for the rows named in ``plan``.
 
     ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
     shared_memory_per_block(q.device))`` (the packed classes above it are not
     launched).  Each kernel runs the config of the table (configs.py) for
-    q's dtype, head dim and device; ``work`` and ``memo`` as in
+    q's dtype, head dim and device; ``work``, ``memo`` and ``blocks`` as in
     ``softmax_fwd.softmax_fwd``.
     """
     E, H, D = q.shape
@@ -234,7 +237,7 @@ def softmax_bwd(dq, dk, dv, grad_o, q, k, v, o, lse, plan, scale, allow_tf32=Fal
     args = {"bwd_packed": dict(common, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv),
             "bwd_dq": dict(common, o_ptr=o, delta_ptr=delta, dq_ptr=dq),
             "bwd_dkdv": dict(common, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv)}
-    key = ("bwd", q.dtype, H, D, q.device, allow_tf32, work)
-    build = lambda: bwd_launches(q, args, allow_tf32, work)  # noqa: E731
+    key = ("bwd", q.dtype, H, D, q.device, allow_tf32, work, blocks)
+    build = lambda: bwd_launches(q, args, allow_tf32, work, blocks)  # noqa: E731
     for kernel, spec, grid in build() if memo is None else memo(key, build):
         launch(spec, grid, **args[kernel])

@@ -23,10 +23,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, H_TILE_OFF, H_TILES, LN2, LOG2E, LSE_UNALIGNED,
+from nt_kernels.backends.triton.common import (H_MULTI, H_MULTI_OFF, LN2, LOG2E, LSE_UNALIGNED,
                                                Spec, block_d, cast, exact_launches, finite_or_zero, key_block, launch,
                                                load_rows, meta_args, mm, nonfinite_rows, packed_rows, packed_spec,
-                                               segment_any)
+                                               segment_any, tile_table)
 from nt_kernels.backends.triton.packed_heads import _fwd_heads_kernel
 from nt_kernels.backends.triton.plan import PLAN_BLOCK
 
@@ -35,15 +35,15 @@ from nt_kernels.backends.triton.plan import PLAN_BLOCK
 def _fwd_packed_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, plan, H, D, qk_scale,
                        CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
                        DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
-    n_work = tl.load(plan + H_TILES + CLASS) * H
-    tab = tl.load(plan + H_TILE_OFF + CLASS)
+    n_tiles, tab = tile_table(plan, CLASS)
+    n_work = n_tiles * H
     d = tl.arange(0, BLOCK_D)
     for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
         # Step 1: tile rows (heads innermost in the work index, so neighbouring
         # programs read neighbouring D-slices of the same rows).
         t = w // H
         h = w % H
-        row, seg, valid = packed_rows(plan, t, tab, TILE)
+        row, seg, valid = packed_rows(plan, t, tab, TILE, CLASS)
         offs = row * (H * D) + h * D
         q = load_rows(q_ptr, offs, valid, d, D)
         k = load_rows(k_ptr, offs, valid, d, D)
@@ -117,18 +117,19 @@ def fwd_spec(kernel: str, config: dict, dtype, heads: int, head_dim: int, cls: i
                                         BLOCK_D=block_d(head_dim)), config["num_warps"], config["num_stages"])
 
 
-def fwd_launches(q, tensors: dict, allow_tf32: bool = False, work=None) -> list[tuple[str, Spec, tuple]]:
-    """(kernel, spec, grid) of every forward launch (``common.exact_launches``): each packed class,
-    then the multi-tile kernel; only those with ``work`` when it is given."""
+def fwd_launches(q, tensors: dict, allow_tf32: bool = False, work=None,
+                 blocks: bool = False) -> list[tuple[str, Spec, tuple]]:
+    """(kernel, spec, grid) of every forward launch (``common.exact_launches``): each packed class (and
+    the row blocks with ``blocks``), then the multi-tile kernel; only those with ``work`` when it is given."""
     dtype, heads, head_dim = q.dtype, q.shape[1], q.shape[2]
     return exact_launches(
         q, work, "fwd_packed",
         lambda cfg, c, tile: fwd_spec("fwd_packed", cfg, dtype, heads, head_dim, c, tile, allow_tf32),
         {"fwd_multi": lambda cfg: fwd_spec("fwd_multi", cfg, dtype, heads, head_dim, allow_tf32=allow_tf32)},
-        {"fwd_packed": tensors, "fwd_multi": tensors})
+        {"fwd_packed": tensors, "fwd_multi": tensors}, blocks)
 
 
-def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, work=None, memo=None):
+def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, work=None, memo=None, blocks=False):
     """Write o (E, H, D) and lse (E, H) float32 for the rows named in ``plan``.
 
     ``plan`` must be built with ``max_tile=max_packed_tile(q.dtype, D,
@@ -136,10 +137,11 @@ def softmax_fwd(o, lse, q, k, v, plan, scale, allow_tf32=False, work=None, memo=
     launched).  Each kernel runs the config of the table (configs.py) for
     q's dtype, head dim and device.  ``work`` (the plan's work counts, when the
     host knows them) skips the kernels without work; ``memo(key, build)`` (a
-    fused plan's ``Plan.memo``) keeps the launch list for later calls.
+    fused plan's ``Plan.memo``) keeps the launch list for later calls; ``blocks``: the plan has row
+    blocks (``build_plan(..., blocks=True)``), which run too.
     """
     tensors = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, lse_ptr=lse, plan=plan, qk_scale=float(scale) * LOG2E)
-    key = ("fwd", q.dtype, q.shape[1], q.shape[2], q.device, allow_tf32, work)
-    build = lambda: fwd_launches(q, tensors, allow_tf32, work)  # noqa: E731
+    key = ("fwd", q.dtype, q.shape[1], q.shape[2], q.device, allow_tf32, work, blocks)
+    build = lambda: fwd_launches(q, tensors, allow_tf32, work, blocks)  # noqa: E731
     for _, spec, grid in build() if memo is None else memo(key, build):
         launch(spec, grid, **tensors)
