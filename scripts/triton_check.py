@@ -85,8 +85,9 @@ def settings(arch: int, dtype: str, head_dim: int) -> list[tuple[str, int, int]]
             + [("bwd_packed", c, t) for c, t in classes] + [("bwd_dq", 0, 0), ("bwd_dkdv", 0, 0)])
 
 
-def size_of(kernel: str, tile: int) -> str:
-    return configs.size_class(kernel, tile or None)
+def size_of(kernel: str, cls: int, tile: int) -> str:
+    """The table's size class of a launch (``rows`` for the row blocks)."""
+    return configs.size_class(kernel, configs.ROWS if cls == BLOCK_CLASS else (tile or None))
 
 
 def ptxas_report(log: str) -> tuple[int, int]:
@@ -139,8 +140,8 @@ def table_jobs(table: dict, heads: int) -> list[tuple]:
         arch = int(arch_name[3:])
         for key, config in section["entries"].items():
             kernel, dtype, dim_class, size = configs.parse_key(key)
-            tile = int(size[1:]) if size.startswith("t") else 0
-            cls = configs.PACKED_HEIGHTS.index(tile) if tile else 0
+            tile = configs.size_tile(size)
+            cls = BLOCK_CLASS if size == configs.ROWS else (configs.PACKED_HEIGHTS.index(tile) if tile else 0)
             if tile and tile not in dict(packed_classes(TORCH_DTYPES[dtype], dim_class, SHARED_LIMIT[arch])).values():
                 continue  # a class the launchers never run on this architecture
             jobs.append((arch, kernel, dtype, dim_class, heads, cls, tile, config, "table"))
@@ -154,7 +155,7 @@ def sweep_jobs(args, table: dict) -> list[tuple]:
         for dtype in args.dtypes.split(","):
             for head_dim in (int(d) for d in args.block_d.split(",")):
                 for kernel, cls, tile in settings(arch, dtype, head_dim):
-                    dim_class, size = configs.head_dim_class(head_dim), size_of(kernel, tile)
+                    dim_class, size = configs.head_dim_class(head_dim), size_of(kernel, cls, tile)
                     config, source = configs.lookup(kernel, dtype, dim_class, size, arch, table)
                     jobs.append((arch, kernel, dtype, head_dim, args.heads, cls, tile, config, source))
                     if args.candidates:
@@ -180,7 +181,7 @@ def report(rows: list) -> bool:
           f"{'regs':>5} {'spill':>5} {'warps':>5} {'CTA/SM':>6} {'warps/SM':>8} {'dot':>3}  params")
     for job, shared, regs, spills, what, warps, dot in sorted(rows, key=lambda r: r[0][:7] + (r[0][8],)):
         arch, kernel, dtype, head_dim, _, cls, tile, config, label = job
-        size = "rows" if cls == BLOCK_CLASS else size_of(kernel, tile)  # row blocks: 64 contiguous rows
+        size = size_of(kernel, cls, tile)
         error = shared is None
         too_big = not error and shared > SHARED_LIMIT[arch]
         occ = None if error or too_big else occupancy(arch, regs, shared, warps)

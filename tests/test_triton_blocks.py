@@ -131,3 +131,40 @@ def test_blocks_touch_only_given_segments(prebuilt, monkeypatch):
     plan = build_plan(rowptr, segments, int(rowptr[-1]), blocks=True) if prebuilt else None
     assert describe_plan(build_plan(rowptr, segments, int(rowptr[-1]), blocks=True))["blocks"]
     check_only_given_segments(rowptr, segments, plan, dim=7, seed=61, scale=0.45)
+
+
+def test_blocks_run_their_own_table_entry(tmp_path, monkeypatch):
+    """A table entry of size "rows" configures the row blocks' launches only (here the whole-row kernel,
+    while the 64-row packed tiles keep the per-head one), and the op still matches the reference."""
+    from nt_kernels.backends.triton import configs
+    from nt_kernels.backends.triton.common import device_arch
+    from nt_kernels.backends.triton.plan import BLOCK_CLASS
+    from nt_kernels.backends.triton.packed_heads import _bwd_heads_kernel, _fwd_heads_kernel
+    from nt_kernels.backends.triton.softmax_bwd import _bwd_packed_kernel, bwd_launches
+    from nt_kernels.backends.triton.softmax_fwd import _fwd_packed_kernel, fwd_launches
+
+    arch = device_arch(DEVICE)
+    if arch not in configs.ARCH_SHARED_MEMORY:
+        pytest.skip(f"no config table section for sm_{arch}")
+    heads_cfg = {"kernel": "heads", "tile_elems": 8192, "dot": 1, "num_warps": 4, "num_stages": 1}  # 1 tile at H 2
+    per_head = {"kernel": "head", "num_warps": 8, "num_stages": 1}
+    entries = {configs.table_key(kernel, dtype, 8, size): heads_cfg if size == "rows" else per_head
+               for kernel in ("fwd_packed", "bwd_packed") for dtype in ("fp32", "bf16") for size in ("t64", "rows")}
+    path = tmp_path / "table.py"
+    configs.write_table({"version": configs.TABLE_VERSION, "archs": {configs.arch_name(arch): {
+        "source": "rows test", "entries": entries}}}, path)
+    monkeypatch.setenv("NT_KERNELS_TRITON_CONFIGS", str(path))
+    monkeypatch.setenv(BLOCKS_ENV, "1")
+    configs.clear_cache()
+    try:
+        rowptr = make_rowptr(BLOCK_SIZES)
+        q, k, v = make_qkv(int(rowptr[-1]), 2, 8, torch.float32, seed=71)
+        grad_o = make_qkv(int(rowptr[-1]), 2, 8, torch.float32, seed=72)[0]
+        fwd = {spec.kwargs.get("CLASS"): spec.fn for _, spec, _ in fwd_launches(q, {}, blocks=True)}
+        no_args = dict.fromkeys(("bwd_packed", "bwd_dq", "bwd_dkdv"), {})  # read only when autotuning
+        bwd = {spec.kwargs.get("CLASS"): spec.fn for _, spec, _ in bwd_launches(q, no_args, blocks=True)}
+        assert fwd[BLOCK_CLASS] is _fwd_heads_kernel and fwd[2] is _fwd_packed_kernel
+        assert bwd[BLOCK_CLASS] is _bwd_heads_kernel and bwd[2] is _bwd_packed_kernel
+        assert_matches_reference(run_exact(q, k, v, rowptr, grad_o), q, k, v, rowptr, grad_o)
+    finally:
+        configs.clear_cache()

@@ -273,3 +273,24 @@ def test_tuner_launches_its_candidates_under_the_interpreter(monkeypatch):
     assert all(c["error"] == "" for row in log for c in row["candidates"]), log
     assert len(entries) == len(keys) and len(launched) == 2 * len(keys)
     assert set(timer.row_counts) == {("fp32", 4, "t16"), ("bf16", 8, "multi")}, "one tuning graph per group"
+
+
+def test_row_blocks_have_their_own_key_and_fall_back_to_the_64_row_tiles(table_file):
+    """The opt-in row blocks (size "rows") take their own entry; without one the "t64" entry, then the
+    heuristic of a 64-row tile; the validator, the candidates and the tuner's keys and graphs know them."""
+    heads_cfg = {"kernel": "heads", "tile_elems": 4096, "dot": 1, "num_warps": 4, "num_stages": 1}
+    assert configs.size_class("fwd_packed", configs.ROWS) == "rows" and configs.size_tile("rows") == 64
+    assert configs.size_tile("t32") == 32 and configs.size_tile("multi") == 0
+    table_file(one_entry_table("fwd_packed/bf16/d32/t64", HEAD))
+    assert configs.lookup("fwd_packed", "bf16", 32, "rows", 90) == (HEAD, "table")
+    assert configs.lookup("bwd_packed", "bf16", 32, "rows", 90) == (
+        configs.heuristic("bwd_packed", "bf16", 32, "t64", 90), "heuristic")
+    table = one_entry_table("fwd_packed/bf16/d32/t64", HEAD)
+    table["archs"]["sm_90"]["entries"]["fwd_packed/bf16/d32/rows"] = heads_cfg
+    assert configs.validate_table(table) == []
+    table_file(table)
+    assert configs.choose("fwd_packed", torch.bfloat16, 32, configs.ROWS, 90) == heads_cfg
+    assert configs.choose("fwd_packed", torch.bfloat16, 32, 64, 90) == HEAD, "the packed tiles keep theirs"
+    assert configs.candidates("fwd_packed", "bf16", 32, "rows") == configs.candidates("fwd_packed", "bf16", 32, "t64")
+    assert "rows" in tune.ALL_SIZES and tune.class_sizes("rows", 64) == list(range(1, 17))
+    assert ("fwd_packed", "bf16", 8, "rows") in tune.tune_keys(["bf16"], [8], ["fwd_packed"], ["rows"])

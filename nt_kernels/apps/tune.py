@@ -2,8 +2,9 @@
 
 For every dtype, head dim and (kernel, size class) asked for, a synthetic
 graph whose segments all fall into that size class (packed tiles of height
-16, 32 or 64, or multi-tile segments of 65-256 rows) is built on the GPU with
-about ``--rows`` packed rows and ``--heads`` heads.  Each candidate config of
+16, 32 or 64, the opt-in row blocks' segments of 1-16 rows in place, or
+multi-tile segments of 65-256 rows) is built on the GPU with about ``--rows``
+packed rows and ``--heads`` heads.  Each candidate config of
 the key (configs.candidates: the heuristic's first) is launched alone on it
 and timed with ``triton.testing.do_bench``; the fastest becomes the key's
 entry for this GPU's architecture (``sm_<cc>``).  A candidate that fails to
@@ -39,7 +40,7 @@ import torch
 from nt_kernels.backends.triton import configs
 
 ALL_KERNELS = tuple(configs.KERNELS)
-ALL_SIZES = ("t16", "t32", "t64", "multi")
+ALL_SIZES = (*configs.PACKED_SIZES, "multi")  # t16, t32, t64, rows (the opt-in row blocks), multi
 MULTI_SIZES = (65, 256)   # multi-tile segment sizes of the tuning graph (inclusive range)
 
 
@@ -131,11 +132,13 @@ def minimum_bytes(kernel: str, rows: int, heads: int, head_dim: int, itemsize: i
 # ------------------------------------------------------------------------- GPU part
 
 def class_sizes(size: str, max_tile: int) -> list[int]:
-    """Segment sizes whose segments land in ``size`` (packed tile height, or multi-tile)."""
-    from nt_kernels.backends.triton.plan import PLAN_BLOCK, TILE_HEIGHTS, _size_class
+    """Segment sizes whose segments land in ``size`` (packed tile height, row blocks, or multi-tile)."""
+    from nt_kernels.backends.triton.plan import BLOCK_SMALL, PLAN_BLOCK, TILE_HEIGHTS, _size_class
 
     if size == "multi":
         return list(range(MULTI_SIZES[0], MULTI_SIZES[1] + 1))
+    if size == configs.ROWS:
+        return list(range(1, BLOCK_SMALL + 1))
     c = TILE_HEIGHTS.index(int(size[1:]))
     return [n for n in range(1, min(max_tile, PLAN_BLOCK) + 1) if _size_class(n, max_tile) == c]
 
@@ -159,7 +162,7 @@ class GpuTimer:
             torch_dtype = {v: k for k, v in configs.DTYPE_NAMES.items()}[dtype]
             max_tile = max_packed_tile(torch_dtype, head_dim, shared_memory_per_block(self.device))
             sizes = torch.tensor(class_sizes(size, max_tile))
-            if size != "multi" and int(size[1:]) > max_tile:
+            if size != "multi" and configs.size_tile(size) > max_tile:
                 raise ValueError(f"{size}: the launchers never run this class for {dtype}, D = {head_dim} here")
             gen = torch.Generator().manual_seed(0)
             count = max(1, self.rows // int(sizes.float().mean()))
@@ -170,8 +173,9 @@ class GpuTimer:
             q, k, v, o, do, dq, dk, dv = (torch.randn(shape, device=self.device, dtype=torch_dtype)
                                           for _ in range(8))
             lse, delta = (torch.zeros(rows, self.heads, device=self.device) for _ in range(2))
-            plan = build_plan(rowptr, torch.arange(count, device=self.device), rows, max_tile)
-            problem = dict(dtype=torch_dtype, rows=rows, grid=(num_programs(self.device),), tensors=dict(
+            blocks = size == configs.ROWS  # the row blocks' tuning graph: segments of 1-16 rows in place
+            plan = build_plan(rowptr, torch.arange(count, device=self.device), rows, max_tile, blocks)
+            problem = dict(dtype=torch_dtype, rows=rows, blocks=blocks, grid=(num_programs(self.device),), tensors=dict(
                 q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, do_ptr=do, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, lse_ptr=lse,
                 delta_ptr=delta, plan=plan))
             self._fill(problem, head_dim)
@@ -186,7 +190,8 @@ class GpuTimer:
 
         t, scale = problem["tensors"], head_dim ** -0.5
         problem["scales"] = dict(scale=scale, qk_scale=scale * LOG2E)
-        softmax_fwd(t["o_ptr"], t["lse_ptr"], t["q_ptr"], t["k_ptr"], t["v_ptr"], t["plan"], scale)
+        softmax_fwd(t["o_ptr"], t["lse_ptr"], t["q_ptr"], t["k_ptr"], t["v_ptr"], t["plan"], scale,
+                    blocks=problem["blocks"])
         name = configs.dtype_name(problem["dtype"])
         config = configs.heuristic("bwd_dq", name, configs.head_dim_class(head_dim), "multi", 0)
         launch(bwd_spec("bwd_dq", config, problem["dtype"], self.heads, head_dim), problem["grid"],
@@ -213,13 +218,14 @@ class GpuTimer:
         from triton.testing import do_bench
 
         from nt_kernels.backends.triton.common import launch
+        from nt_kernels.backends.triton.plan import BLOCK_CLASS
         from nt_kernels.backends.triton.softmax_bwd import bwd_spec
         from nt_kernels.backends.triton.softmax_fwd import fwd_spec
 
         kernel, dtype, dim_class, size = key
         problem = self.problem(dtype, dim_class, size)
-        tile = int(size[1:]) if size != "multi" else 0
-        cls = configs.PACKED_HEIGHTS.index(tile) if tile else 0
+        tile = configs.size_tile(size)
+        cls = BLOCK_CLASS if size == configs.ROWS else (configs.PACKED_HEIGHTS.index(tile) if tile else 0)
         make = fwd_spec if kernel.startswith("fwd") else bwd_spec
         spec = make(kernel, config, problem["dtype"], self.heads, dim_class, cls, tile)
         args = self.args(kernel, problem)

@@ -115,8 +115,8 @@ def exact_launches(q: torch.Tensor, work, packed_kernel: str, packed_spec_of, mu
                    args: dict, blocks: bool = False) -> list[tuple[str, Spec, tuple]]:
     """(kernel, spec, grid) of one pass of the exact kernels for q's dtype, head dim and device:
     ``packed_kernel`` for each packed class the plan can hold (``packed_spec_of(config, cls, tile)``),
-    with ``blocks`` (a plan with row blocks, plan.py) also for the row blocks (class BLOCK_CLASS, the
-    64-row tile's config), then the multi-tile kernels (``multi_kernels``: name -> spec_of(config)).
+    with ``blocks`` (a plan with row blocks, plan.py) also for the row blocks (class BLOCK_CLASS, 64-row
+    tiles, table size ``rows``), then the multi-tile kernels (``multi_kernels``: name -> spec_of(config)).
     With ``work`` (tiles per packed class, then multi-tile items, known on the host:
     ``ntconv_plan.Chunk.exact_work``; such plans have no row blocks) only those with work, on grids no
     larger than it.  ``args``: each kernel's launch arguments, read only when NT_KERNELS_TRITON_AUTOTUNE=1
@@ -129,8 +129,8 @@ def exact_launches(q: torch.Tensor, work, packed_kernel: str, packed_spec_of, mu
     for c, tile in classes:
         if work is None or work[c]:
             grid = persistent_grid(q.device, None if work is None else work[c], heads)
-            spec = choose_spec(packed_kernel, lambda cfg: packed_spec_of(cfg, c, tile), q, tile, grid,
-                               args[packed_kernel])
+            spec = choose_spec(packed_kernel, lambda cfg: packed_spec_of(cfg, c, tile), q,  # row blocks: "rows" key
+                               config_table.ROWS if c == plan_layout.BLOCK_CLASS else tile, grid, args[packed_kernel])
             out.append((packed_kernel, spec, grid))
     if work is None or work[-1]:
         grid = persistent_grid(q.device, None if work is None else work[-1], heads)

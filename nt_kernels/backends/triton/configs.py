@@ -33,15 +33,19 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ARCH_SHARED_MEMORY", "KERNELS", "PACKED_HEIGHTS", "TABLE_VERSION", "candidates", "choose", "clear_cache",
-           "dtype_name", "head_dim_class", "heads_tiles", "heuristic", "load_table", "lookup", "read_table",
-           "size_class", "table_key", "validate_table", "write_table"]
+__all__ = ["ARCH_SHARED_MEMORY", "KERNELS", "PACKED_HEIGHTS", "PACKED_SIZES", "ROWS", "TABLE_VERSION", "candidates",
+           "choose", "clear_cache", "dtype_name", "head_dim_class", "heads_tiles", "heuristic", "load_table", "lookup",
+           "read_table", "size_class", "size_tile", "table_key", "validate_table", "write_table"]
 
 TABLE_VERSION = 1
 TABLE_PATH = Path(__file__).with_name("config_table.py")
 # Opt-in shared memory per block (bytes) of the architectures the table targets.
 ARCH_SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
 PACKED_HEIGHTS = (16, 32, 64)       # plan.TILE_HEIGHTS (kept here so this module imports no triton code)
+# The opt-in row blocks of the packed kernels (plan.py, NT_KERNELS_EXACT_BLOCKS=1): 64-row tiles of contiguous rows,
+# a size class of their own ("rows"); a table without a "rows" entry gives them its "t64" entry.
+ROWS, ROWS_TILE = "rows", 64
+PACKED_SIZES = tuple(f"t{t}" for t in PACKED_HEIGHTS) + (ROWS,)
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 HEAD_DIM_CLASSES = tuple(1 << i for i in range(9))  # 1 .. 256
 
@@ -71,13 +75,21 @@ def head_dim_class(head_dim: int) -> int:
     return 1 << max(0, int(head_dim) - 1).bit_length()
 
 
-def size_class(kernel: str, tile: int | None) -> str:
-    """``t16`` / ``t32`` / ``t64`` for the packed kernels (the tile height), ``multi`` otherwise."""
+def size_class(kernel: str, tile: int | str | None) -> str:
+    """``t16`` / ``t32`` / ``t64`` for the packed kernels (the tile height), ``rows`` for their row blocks
+    (``tile`` = ROWS), ``multi`` otherwise."""
     if KERNELS[kernel][0] == "packed":
+        if tile == ROWS:
+            return ROWS
         if tile not in PACKED_HEIGHTS:
             raise ValueError(f"{kernel}: tile height must be one of {PACKED_HEIGHTS}, got {tile}")
         return f"t{tile}"
     return "multi"
+
+
+def size_tile(size: str) -> int:
+    """The tile height of a packed size class (``t16`` -> 16, ``rows`` -> 64), 0 for ``multi``."""
+    return ROWS_TILE if size == ROWS else (int(size[1:]) if size.startswith("t") else 0)
 
 
 def table_key(kernel: str, dtype: str, dim_class: int, size: str) -> str:
@@ -138,7 +150,7 @@ def heuristic(kernel: str, dtype: str, dim_class: int, size: str, arch: int) -> 
     if KERNELS[kernel][0] == "multi":
         inner = "BLOCK_M" if kernel == "bwd_dkdv" else "BLOCK_N"
         return {inner: 32, "num_warps": 4, "num_stages": 1}
-    return head_kernel_config(kernel, dtype, dim_class, int(size[1:]))
+    return head_kernel_config(kernel, dtype, dim_class, size_tile(size))
 
 
 def head_kernel_config(kernel: str, dtype: str, dim_class: int, tile: int) -> dict:
@@ -173,7 +185,7 @@ def candidates(kernel: str, dtype: str, dim_class: int, size: str, heads: int = 
         out += [{"kernel": "head", "num_warps": 4, "num_stages": 1}] + [c for c in whole_row if c["dot"]]
         out += [{"kernel": "head", "num_warps": w, "num_stages": s} for s in (1, 2) for w in (8, 4)]
         out += [c for c in whole_row if not c["dot"]]
-        tile = int(size[1:])
+        tile = size_tile(size)
         out = [cfg for cfg in out if cfg["kernel"] == "head" or heads_tiles(cfg, heads, dim_class, tile)]
     unique: list[dict] = []
     for cfg in out:
@@ -224,7 +236,7 @@ def _entry_errors(key: str, config) -> list[str]:
         errors.append(f"unknown dtype {dtype!r}")
     if dim_class not in HEAD_DIM_CLASSES:
         errors.append(f"head-dim class {dim_class} is not a power of two in 1..256")
-    sizes = [f"t{t}" for t in PACKED_HEIGHTS] if KERNELS[kernel][0] == "packed" else ["multi"]
+    sizes = list(PACKED_SIZES) if KERNELS[kernel][0] == "packed" else ["multi"]
     if size not in sizes:
         errors.append(f"size class {size!r} is not one of {sizes}")
     if not isinstance(config, dict):
@@ -289,10 +301,13 @@ def load_table() -> dict:
 
 
 def lookup(kernel: str, dtype: str, dim_class: int, size: str, arch: int, table: dict | None = None):
-    """(config, source) for one key: the table's entry ("table") or :func:`heuristic` ("heuristic")."""
+    """(config, source) for one key: the table's entry ("table"; for ``rows`` without one, the ``t64``
+    entry) or :func:`heuristic` ("heuristic")."""
     table = load_table() if table is None else table
-    section = table["archs"].get(arch_name(arch), {})
-    entry = section.get("entries", {}).get(table_key(kernel, dtype, dim_class, size))
+    entries = table["archs"].get(arch_name(arch), {}).get("entries", {})
+    entry = entries.get(table_key(kernel, dtype, dim_class, size))
+    if entry is None and size == ROWS:
+        entry = entries.get(table_key(kernel, dtype, dim_class, f"t{ROWS_TILE}"))
     if entry is not None:
         return dict(entry), "table"
     return heuristic(kernel, dtype, dim_class, size, arch), "heuristic"
@@ -316,7 +331,7 @@ def clear_cache() -> None:
     _CHOSEN.clear()
 
 
-def choose(kernel: str, dtype: torch.dtype, head_dim: int, tile: int | None, arch: int, heads: int = 4,
+def choose(kernel: str, dtype: torch.dtype, head_dim: int, tile: int | str | None, arch: int, heads: int = 4,
            time_config=None) -> dict:
     """The config a launch uses (cached per key in the process).
 
