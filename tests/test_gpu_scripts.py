@@ -399,3 +399,35 @@ def test_bytes_model_counts_tolokers_and_docs_quote_it():
             bound += t if r[6] is None else max(t, m.latency_time(r[6], m.Classes().rows, r[5], r[7])[1])
         bounds.append(f"{bound * 1e3:.2f} ms")
     assert f"| layer bound (larger per kernel) | {' | '.join(bounds)} |" in page
+
+
+def test_bundle_staleness_follows_kernel_sources_and_lines(tmp_path):
+    """`gpu_triton.py sources` digests each jit function's source and starting line (what Triton's cache key
+    takes from it): a line moved above a function changes its digest, and --compare (gpu_bundle.sh --check)
+    names the functions whose digests differ from a bundle's."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    import importlib.util
+
+    import gpu_triton
+    import gpu_triton_cache
+
+    digests = []
+    for i, prefix in enumerate(("", "", "\n")):
+        path = tmp_path / f"kernel{i}.py"
+        path.write_text(prefix + "def kernel(x):\n    return x + 1\n")
+        spec = importlib.util.spec_from_file_location(f"kernel{i}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        digests.append(gpu_triton_cache.digest(module.kernel))
+    assert digests[0] == digests[1] != digests[2], "same source and line: same digest; a moved line: another"
+    mine = gpu_triton_cache.sources()
+    assert {"softmax_fwd._fwd_packed_kernel", "common.packed_rows", "common.block_rows"} <= set(mine)
+    out = tmp_path / "sources.json"
+    assert gpu_triton.main(["sources", "--out", str(out)]) == 0
+    assert gpu_triton.main(["sources", "--compare", str(out)]) == 0
+    old = json.loads(out.read_text())
+    old["common.packed_rows"] = "0" * 16
+    out.write_text(json.dumps(old))
+    assert gpu_triton.main(["sources", "--compare", str(out)]) == 3
+    assert gpu_triton_cache.stale(mine, old) == ["common.packed_rows"]

@@ -7,7 +7,7 @@
 #        newer GPUs; no GPU needed), checked by scripts/wheel_check.py contents
 #   .gpu-bundle/data/{tolokers,minesweeper}.npz, LICENCE.txt     the real graphs
 #   .gpu-bundle/manifest.json        versions, the wheel's name, the hash of csrc/ and CMakeLists.txt
-#   .gpu-bundle/triton-cache.tar.xz, triton-fingerprint.json   (TRITON_AOT=1, the default) the
+#   .gpu-bundle/triton-cache.tar.xz, triton-fingerprint.json, triton-sources.json   (TRITON_AOT=1) the
 #        Triton kernels of scripts/gpu/gpu_check.sh's warm workload (every check row's kernels), of
 #        scripts/gpu/gpu_perf.sh's training steps (both paths of the fused layer) and of
 #        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl.gz),
@@ -25,6 +25,8 @@
 #
 # Environment: GPU_PYTHON (required), DATA_SRC (default $NT_KERNELS_DATA, else
 # ../shared/data/heterophilous), JOBS, TRITON_AOT (default 1; 0: no Triton cache).
+# `bash scripts/gpu/gpu_bundle.sh --check` says whether the cache still holds the tree's Triton kernels
+# (triton-sources.json: each jit function's source and starting line, which Triton's cache key holds).
 # `bash scripts/gpu/gpu_bundle.sh --triton-only` rebuilds only the Triton cache of an existing bundle
 # (after a change of the Triton kernels; build/gpu-bundle-triton keeps every compiled kernel, so
 # only changed ones compile again).
@@ -34,6 +36,9 @@ source scripts/gpu/gpu_common.sh  # source_hash, install_wheel; WARM_DIMS, WARM_
 if [ "${1:-}" = "--hash" ]; then
   source_hash
   exit 0
+fi
+if [ "${1:-}" = "--check" ]; then  # before a GPU call: does the bundle's Triton cache hold this tree's kernels?
+  exec "${PYTHON:-python3}" scripts/gpu/gpu_triton.py sources --compare .gpu-bundle/triton-sources.json
 fi
 triton_only=0
 [ "${1:-}" = "--triton-only" ] && triton_only=1
@@ -109,6 +114,7 @@ triton_aot() {
   "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py summary "$work/aot.jsonl"
   "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py pack "$cache" "$bundle/triton-cache.tar.xz" --log "$work/aot.jsonl"
   "${env[@]}" "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py fingerprint --out "$bundle/triton-fingerprint.json"
+  "${env[@]}" "$GPU_PYTHON" -P scripts/gpu/gpu_triton.py sources --out "$bundle/triton-sources.json"  # what compiled
 }
 
 if [ "$triton_only" = 0 ]; then
@@ -139,7 +145,7 @@ elif [ ! -f "$bundle/manifest.json" ]; then
   echo "gpu-bundle: --triton-only needs an existing $bundle (run make gpu-bundle first)" >&2
   exit 1
 fi
-rm -f "$bundle"/triton-cache.tar.* "$bundle/triton-fingerprint.json"  # an older bundle's .tar.gz too
+rm -f "$bundle"/triton-cache.tar.* "$bundle/triton-fingerprint.json" "$bundle/triton-sources.json"  # .tar.gz too
 [ "${TRITON_AOT:-1}" = 0 ] || triton_aot
 size_kib=$(( $(du -sb "$bundle" | cut -f1) / 1024 ))
 # The device tool carries the working tree (tracked and untracked files git does not ignore) and the

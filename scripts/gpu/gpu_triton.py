@@ -25,6 +25,9 @@ processes.  This module makes that measured, shared and parallel:
   own source hash, ptxas version, default options, cache-invalidating
   environment variables); ``--compare`` says whether a cache built elsewhere
   can hit here.
+* **sources**: a digest of each jit function's source and starting line (what
+  Triton's cache key takes from the kernel); ``--compare`` against a bundle's
+  ``triton-sources.json`` says whether its cache is stale (``gpu_bundle.sh --check``).
 * **summary**, **specs** (the distinct logged specialisations, to keep under
   bench/results/gpu-runs/), **replay** (``preload`` of them: make gpu-bundle
   compiles them ahead), **pack**, **unpack** (a cache relocated: Triton's group
@@ -171,6 +174,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("fingerprint")
     p.add_argument("--out", default=None)
     p.add_argument("--compare", default=None, help="a fingerprint JSON (of the machine that built a cache)")
+    p = sub.add_parser("sources", help="digests of the Triton kernels' sources and lines (a cache's staleness)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--compare", default=None, help="the sources JSON of a bundle's cache (.gpu-bundle)")
     p = sub.add_parser("pack")
     p.add_argument("cache")
     p.add_argument("tar")
@@ -180,7 +186,7 @@ def main(argv=None) -> int:
     p.add_argument("cache")
     args = parser.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_triton_cache import compare, fingerprint, pack, unpack
+    from gpu_triton_cache import compare, fingerprint, pack, sources, stale, unpack
     from gpu_triton_warm import replay, warm, worker
 
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
@@ -216,6 +222,18 @@ def main(argv=None) -> int:
                                      "differs from " + args.compare + ": " + "; ".join(differences)))
             return 0 if not differences else 3
         return 0
+    if args.what == "sources":
+        mine = sources()
+        if args.out:
+            json.dump(mine, open(args.out, "w"), indent=1)
+        if not args.compare:
+            print(f"sources: {len(mine)} jit functions" + (f" -> {args.out}" if args.out else ""))
+            return 0
+        changed = stale(mine, json.load(open(args.compare)))
+        print(f"sources: the cache of {args.compare} " + (f"matches the tree's {len(mine)} jit functions"
+              if not changed else f"is stale for {len(changed)} jit functions (and what calls them): "
+              + ", ".join(changed[:12]) + " (bash scripts/gpu/gpu_bundle.sh --triton-only)"))
+        return 0 if not changed else 3
     if args.what == "pack":
         hashes = {r["hash"] for r in read_log([args.log]) if r.get("event") == "load"} if args.log else None
         print(f"pack: {pack(args.cache, args.tar, hashes)} kernels -> {args.tar}")

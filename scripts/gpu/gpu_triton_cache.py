@@ -40,6 +40,39 @@ def compare(mine: dict, theirs: dict) -> list[str]:
             if mine.get(k) != theirs.get(k)]
 
 
+# ------------------------------------------------------------------------------------- sources
+def sources() -> dict:
+    """Per ``@triton.jit`` function of nt_kernels/backends/triton, a digest of what Triton's cache key takes
+    from it (its source and starting line; the key of a kernel also holds those of the functions it calls),
+    for any Triton version or the interpreter: a bundle's cache is stale where the tree's digests differ."""
+    import importlib
+    import pkgutil
+
+    import nt_kernels.backends.triton as package
+
+    out = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction") and fn.__module__ == module.__name__:
+                out[f"{info.name}.{name}"] = digest(fn)
+    return dict(sorted(out.items()))
+
+
+def digest(fn) -> str:
+    """A function's source and starting line, hashed."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return hashlib.sha256(f"{start}\n{''.join(lines)}".encode()).hexdigest()[:16]
+
+
+def stale(mine: dict, theirs: dict) -> list[str]:
+    """The jit functions whose digest differs between this tree and a bundle's (added, removed or changed)."""
+    return [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+
+
 # ---------------------------------------------------------------------------------------- pack
 KEEP = (".json", ".cubin", ".so")
 
