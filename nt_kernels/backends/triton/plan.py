@@ -236,13 +236,10 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
         header[0] = PLAN_MAGIC
         header[H_MULTI_OFF] = multi_off
         header[H_MAX_TILE] = max_tile
-        tail = 3 * multi_bound
-        if blocks:
+        parts = [header, torch.zeros(3 * multi_bound, dtype=torch.int64, device=device)]
+        if blocks:  # every window empty, every key -1
             header[H_BLOCK_OFF], header[H_KEYS_OFF] = block_off, keys_off
-            tail += keys_off - block_off
-        parts = [header, torch.zeros(tail, dtype=torch.int64, device=device)]
-        if blocks:
-            parts.append(torch.full((num_rows,), -1, dtype=torch.int64, device=device))
+            parts.append(_block_region(rowptr, seg, seg, seg, seg.bool(), num_rows)[0])
         return torch.cat(parts)
 
     # Step 1: size and class of every listed segment (row-block segments leave the packed and multi-tile classes).
@@ -268,12 +265,17 @@ def build_plan(rowptr: torch.Tensor, segments: torch.Tensor, num_rows: int | Non
     if not blocks:
         header = torch.cat([header, torch.zeros(HEADER - 10, dtype=torch.int64, device=device)])
         return torch.cat([header, tiles, sorted_starts, multi])
-    # Step 7 (row blocks): the windows' tiles and the per-row keys.
-    block_tiles, num_blocks = _row_blocks(start, size, small, num_rows)
-    keys = _row_keys(rowptr, seg, small, num_rows)
+    region, num_blocks = _block_region(rowptr, seg, start, size, small, num_rows)
     header = torch.cat([header, num_blocks, torch.tensor([block_off, keys_off], dtype=torch.int64, device=device),
                         torch.zeros(HEADER - 13, dtype=torch.int64, device=device)])
-    return torch.cat([header, tiles, sorted_starts, multi, block_tiles, keys])
+    return torch.cat([header, tiles, sorted_starts, multi, region])
+
+
+def _block_region(rowptr: torch.Tensor, seg: torch.Tensor, start: torch.Tensor, size: torch.Tensor,
+                  small: torch.Tensor, num_rows: int):
+    """Step 7 (row blocks): the windows' tiles then the per-row keys, and the number of non-empty windows."""
+    block_tiles, num_blocks = _row_blocks(start, size, small, num_rows)
+    return torch.cat([block_tiles, _row_keys(rowptr, seg, small, num_rows)]), num_blocks
 
 
 def _row_blocks(start: torch.Tensor, size: torch.Tensor, small: torch.Tensor, num_rows: int):
