@@ -1,19 +1,20 @@
 """Modelled bytes and FLOPs per kernel of one fused NT layer on CUDA (forward + backward), no GPU needed.
 
-Counts what each kernel of nt_kernels/backends/triton/ntconv_op.py must read and write for one layer of R
-packed rows (each value once; 32-byte sectors, L2 hits and the plan's small tables not counted) and the
-tensor-core FLOPs of its products, and the time each implies at the H100 roofline: 3.0 TB/s copy bandwidth
-(docs/runs/h100-2026-11-26.md, roofline run) and 989 TFLOP/s dense bf16; next to it the latency bound (issue 40,
-LATENCY_MODEL): the bytes in flight per SM and the time the reads take at the bandwidth Little's law allows
-with them; the larger of the two bounds per kernel, summed per layer.  Arithmetic, unverified on GPU.  The default
-shape is the tolokers preset under bf16 autocast (R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60,
-gated_sum: C_out = 120, H = 2, node terms bf16 from autocast's nn.Linear, no edge features), its rows in the
-classes the attention kernels see (packed exact tiles, multi-tile exact segments, Performer segments: built in,
-or recounted from the graph with ``--graph``); each attention kernel is counted as written (:func:`attention`).
+Counts what each kernel of nt_kernels/backends/triton/ntconv_op.py must read and write for one layer of R packed rows
+(each value once; 32-byte sectors, L2 hits and the plan's small tables not counted) and the tensor-core FLOPs of its
+products, and the time each implies at the H100 roofline: 3.0 TB/s copy bandwidth (docs/runs/h100-2026-11-26.md,
+roofline run) and 989 TFLOP/s dense bf16; next to it the latency bound (issue 40, LATENCY_MODEL): the bytes in flight
+per SM and the time the reads take at the bandwidth Little's law allows with them; the larger of the two bounds per
+kernel, summed per layer. Arithmetic, unverified on GPU. The default shape is the tolokers preset under bf16 autocast
+(R = 1,038,000 rows in one chunk, N = 11,758 nodes, C = 60, gated_sum: C_out = 120, H = 2, node terms bf16 from
+autocast's nn.Linear, no edge features), its rows in the classes the attention kernels see (packed exact tiles,
+multi-tile exact segments, Performer segments: built in, or recounted from the graph with ``--graph``); each attention
+kernel is counted as written (:func:`attention`).
 
     python scripts/ntconv_bytes.py                  # the recompute path (NT_KERNELS_NTCONV_RECOMPUTE=1, sm_90)
     python scripts/ntconv_bytes.py --stored-y       # the default: y, dy, z, dz/du stored (and sm_80 / 89, fp32)
     python scripts/ntconv_bytes.py --stream         # the streaming design (NT_KERNELS_NTCONV_RECOMPUTE=stream)
+    python scripts/ntconv_bytes.py --stream --pipe  # with the pipelined reductions (NT_KERNELS_NTCONV_REDUCE=pipe)
     python scripts/ntconv_bytes.py --before         # issue 19's code: fp32 intermediates, unfused do, d_centre
     python scripts/ntconv_bytes.py --floor          # the fewest bytes with recompute and these attention kernels
     NT_KERNELS_DATA=../shared/data/heterophilous python scripts/ntconv_bytes.py --graph tolokers
@@ -241,15 +242,13 @@ def floor(rows, c, node_size, param_size, att):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--graph", default=None,
-                        help="take the row classes (packed exact tiles, multi-tile exact, Performer), the rows and "
-                             "the nodes from this graph (needs its npz; default: tolokers' numbers, built in)")
+    parser.add_argument("--graph", default=None, help="take the row classes (packed exact tiles, multi-tile exact, "
+                        "Performer), the rows and the nodes from this graph (needs its npz; default: tolokers', built in)")
     parser.add_argument("--features", type=int, default=102, help="Performer features m")
-    parser.add_argument("--channels", type=int, default=60)
-    parser.add_argument("--heads", type=int, default=2)
+    for name, default in (("--channels", 60), ("--heads", 2), ("--edge-dim", 0)):
+        parser.add_argument(name, type=int, default=default)
     parser.add_argument("--aggr-gated", dest="gated", action=argparse.BooleanOptionalAction, default=True,
                         help="a gated aggregator (C_out = 2C; tolokers: gated_sum)")
-    parser.add_argument("--edge-dim", type=int, default=0)
     parser.add_argument("--node-bytes", type=int, default=2, help="bytes per node-term value (bf16 under autocast)")
     parser.add_argument("--before", action="store_true",
                         help="issue 19's code: fp32 y, dy, du, dz/du; do by a row GEMM; d_centre a reduction of du")
@@ -259,6 +258,7 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true",
                         help="the streaming design (issue 40, NT_KERNELS_NTCONV_RECOMPUTE=stream): dy and z stored once, "
                              "the weight gradients by the split-K GEMM")
+    parser.add_argument("--pipe", action="store_true", help="NT_KERNELS_NTCONV_REDUCE=pipe (issue 40): latency model reduce_pipe")
     parser.add_argument("--floor", action="store_true",
                         help="the fewest bytes this design allows with the attention kernels as they are")
     args = parser.parse_args()
@@ -276,6 +276,7 @@ def main() -> None:
     rows = kernels(rows_total, classes.nodes, c, 2 * c if args.gated else c, args.heads, args.edge_dim, args.node_bytes,
                    2, 4 if args.before else 2, not args.before, args.gated, att, rows_in_plan=not args.before,
                    sm90=not (args.before or args.stored_y or args.stream), stream=args.stream)
+    rows = [(*r[:6], "reduce_pipe" if args.pipe and r[6] == "reduce" else r[6], r[7]) for r in rows]
     print("| pass | kernel | bytes | tensor-core FLOP | time at roofline | in flight / SM | latency bound | bound |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     total_bytes = total_time = total_bound = 0.0

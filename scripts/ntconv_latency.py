@@ -4,7 +4,9 @@ The bound is the larger of two terms:
 
 * Little's law: a kernel streams at most (bytes in flight per SM) x SMS / LATENCY, so its reads take at least
   reads / that.  In flight per SM = resident CTAs (sm_90, from ptxas: `make triton-check`, Triton 3.9, the
-  tolokers shape in bf16) x the bytes a CTA has issued before it first waits on them: one tile's loads, and
+  tolokers shape in bf16; the reductions' from Triton 3.6, the GPU machines', where it has fewer: the
+  H200's ncu profile for one block per program, ptxas for the pipelined design) x the bytes a CTA has
+  issued before it first waits on them: one tile's loads, and
   the next tiles' where it prefetches (by hand, or the compiler's cp.async pipeline);
 * the waits: a tile whose loads form a chain (indices, then the rows they address) not prefetched waits
   LATENCY per link, and only the CTAs resident on an SM overlap those waits: tiles / (SMS x CTAs) x waits x
@@ -24,7 +26,10 @@ LATENCY_MODEL = {
     "prologue": (7, 32, 2, "a tile's indices, then its gathered node rows (no prefetch)"),
     "rows_gemm": (4, 32, 0, "2 cp.async stages of 32-column K steps of A and of W"),
     "gate": (7, 16, 1, "a tile of gate halves"),
-    "reduce": (3, 64, 2, "an item's bounds, then its rows"),
+    "reduce": (2, 64, 4, "an item's entries, then its rows through rrow, then its gathers, then its destinations' "
+                         "running state (one block per program; 94 registers on the H200, 2026-11-28b)"),
+    "reduce_pipe": (1, 64, 1, "its gathers, beside the next block's rows and running state and the entries two "
+                              "blocks ahead (NT_KERNELS_NTCONV_REDUCE=pipe; gated, Triton 3.6: 245 registers)"),
     "message_grad": (6, 16, 2, "a tile's y and receivers, then g gathered"),
     "weight_grad": (7, 32, 0, "2 cp.async stages of A and B rows"),
     "du": (2, 32, 1, "2 cp.async stages of 32-column K steps of dq, dk, dv, then dz/du"),

@@ -320,7 +320,9 @@ def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
 
 def test_gpu_perf_dry_run(tmp_path):
     pytest.importorskip("triton")
-    result = run(["bash", "scripts/gpu/gpu_perf.sh"], env=dict(dry_env(tmp_path, "perf"), GPU_PERF_BLOCKS="1"))
+    result = run(["bash", "scripts/gpu/gpu_perf.sh"], env=dict(
+        dry_env(tmp_path, "perf"), GPU_PERF_BLOCKS="1", GPU_NCU_VARIANTS="fused,fused:pipe@^_reduce_kernel$",
+        GPU_PERF_LAYER_VARIANTS="fused,fused:recompute,fused:stream,fused:stream:pipe,unfused"))
     out = tmp_path / "perf-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-steps.log", "3-powerlaw.log",
@@ -328,7 +330,7 @@ def test_gpu_perf_dry_run(tmp_path):
                                               "results.tar.gz"}
     doc = json.loads((out / "perf.json").read_text())
     assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {
-        "fused": "ok", "fused:recompute": "ok", "fused:stream": "ok", "unfused": "ok"}
+        "fused": "ok", "fused:recompute": "ok", "fused:stream": "ok", "fused:stream:pipe": "ok", "unfused": "ok"}
     assert doc["steps"]["compiles"]["steps"] == 2 and doc["steps"]["cuda_graph"] == {"skipped": "needs CUDA"}
     assert all(len(v["top_kernels"]) == 15 for v in doc["layer"]["variants"])
     assert doc["op_exact"]["backends"]["fused"]["status"] == "ok"
@@ -342,6 +344,8 @@ def test_gpu_perf_dry_run(tmp_path):
     assert "== gpu_perf summary" in result.stdout and "layer tolokers: fused" in result.stdout
     ncu = (out / "6-ncu.log").read_text()  # the profiled program ran, and the fixture became tables
     assert "SKIP ncu" in ncu and "gpu_ncu layer: tolokers fused on cpu" in ncu and "3 launches" in ncu
+    # each variant's kernel filter: the project's kernels, or the variant's own regex (VARIANT@REGEX)
+    assert "  fused: nt_kernels::|" in ncu and "  fused:pipe: ^_reduce_kernel$" in ncu
 
 
 def test_fingerprint_and_compare(tmp_path):

@@ -280,12 +280,12 @@ REDUCE_CASES = [pytest.param("receiver", mode, id=f"receiver-{name}")
 REDUCE_CASES += [pytest.param("segment", 0, id="segment-sum"), pytest.param("segment", 4, id="segment-lse")]
 
 
-def _reduce_plan(piece_rows):
-    edge_index, n = make_graph(REDUCE_SIZES, receivers=4, seed=6)
+def _reduce_plan(piece_rows, sizes=REDUCE_SIZES, receivers=4, chunk_rows=16):
+    edge_index, n = make_graph(sizes, receivers=receivers, seed=6)
     csr = NeighbourhoodCSR.from_edge_index(edge_index, n).to(DEVICE)
     exact, performer = csr.segment_split(THRESHOLD)
-    plan = build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, n, 16, 64, piece_rows=piece_rows)
-    return csr, read_plan("test", plan, num_rows=csr.num_edges, num_segments=n, num_out=n, chunk_rows=16,
+    plan = build_ntconv_plan(csr.rowptr, csr.receiver, exact, performer, n, chunk_rows, 64, piece_rows=piece_rows)
+    return csr, read_plan("test", plan, num_rows=csr.num_edges, num_segments=n, num_out=n, chunk_rows=chunk_rows,
                           max_tile=64, num_exact=exact.numel(), num_performer=performer.numel(), num_nodes=n)
 
 

@@ -90,13 +90,16 @@ triton_aot() {
     --device cpu --kernels-only --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites exact) \
     || echo "gpu-bundle: the row-block warm failed (those kernels compile on the GPU)"
   # The training steps of scripts/gpu/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
-  # fused layer's default path and on its opt-in recompute and streaming designs.
-  for recompute in 0 1 stream; do
-    echo "gpu-bundle: Triton cache: layer steps (NT_KERNELS_NTCONV_RECOMPUTE=$recompute)"
-    (cd "$work" && "${env[@]}" NT_KERNELS_NTCONV_RECOMPUTE=$recompute "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" \
-      warm --fake-target --jobs "$jobs" --tag "aot-layer$recompute" --log "$PWD/aot.jsonl" --out-dir "$PWD" \
-      --timeout 3600 -- bench --layer --graph tolokers,minesweeper,powerlaw --device cpu --dtype bfloat16-autocast --in-process \
-      --warmup 0 --repeats 1 --dry-run --out "$PWD/layer$recompute") \
+  # fused layer's default path, on its opt-in recompute and streaming designs, and on the default path with
+  # the opt-in pipelined reductions (NT_KERNELS_NTCONV_REDUCE=pipe: the same reductions in every design).
+  for design in 0 1 stream 0:pipe; do
+    recompute=${design%:*} reduce=grid
+    [[ $design == *:pipe ]] && reduce=pipe
+    echo "gpu-bundle: Triton cache: layer steps (NT_KERNELS_NTCONV_RECOMPUTE=$recompute NT_KERNELS_NTCONV_REDUCE=$reduce)"
+    (cd "$work" && "${env[@]}" NT_KERNELS_NTCONV_RECOMPUTE=$recompute NT_KERNELS_NTCONV_REDUCE=$reduce "$GPU_PYTHON" -P \
+      "$OLDPWD/scripts/gpu/gpu_triton.py" warm --fake-target --jobs "$jobs" --tag "aot-layer${design/:/-}" \
+      --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 3600 -- bench --layer --graph tolokers,minesweeper,powerlaw \
+      --device cpu --dtype bfloat16-autocast --in-process --warmup 0 --repeats 1 --dry-run --out "$PWD/layer${design/:/-}") \
       || echo "gpu-bundle: the layer-step warm failed (those kernels compile on the GPU)"
   done
   mapfile -t records < <(ls bench/results/gpu-runs/*/triton-specs.jsonl.gz 2>/dev/null)

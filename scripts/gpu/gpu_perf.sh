@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # GPU performance probe (issues 22 and 42): at most 520 s from a bare machine, for iterating on kernels.
-# JSON (perf.json) and a printed table; every stage under its own limit, streaming its output
-# to $OUT as it runs.
+# JSON (perf.json) and a printed table; every stage under its own limit, streaming its output to $OUT.
 #
 # Copy the working tree with .gpu-bundle/ (`make gpu-bundle GPU_PYTHON=...`, scripts/gpu/gpu_bundle.sh) to
 # a GPU machine and run, in the tree's root (allow about 520 s; GPU_PERF names fewer stages for less):
@@ -31,22 +30,18 @@
 #               (scripts/gpu/gpu_measure.py roofline); GPU_PERF_BLOCKS=1 runs it, and the op stage's exact
 #               subset (fused), again on the opt-in row blocks (NT_KERNELS_EXACT_BLOCKS=1)
 #   6 ncu       Nsight Compute over one warm tolokers layer, forward + backward, per variant of
-#               GPU_NCU_VARIANTS (default fused,fused:stream: the default and the candidate path;
-#               each an equal share of the stage), the first with a 1 GiB copy and a cuBLAS GEMM for
-#               calibration (scripts/gpu/gpu_ncu.py layer); kernel replay, --clock-control none,
-#               --import-source yes, --set detailed, the project's, cuBLAS's and the calibration's kernels
-#               (gpu_ncu.py kernels; GPU_NCU_KERNELS=all or a regex for others); the raw, details and source pages as CSV and
-#               the per-kernel tables (logs/ncu-tables.md: scripts/gpu/gpu_ncu.py table) in results.tar.gz
-#   5 op        `nt-kernels bench` on tolokers' Performer-path, then exact-path segments, H = 4,
-#               D = 32, bfloat16, fused (GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add
-#               backends: "fused,flex" costs about 25 s of FlexAttention compiling;
-#               GPU_PERF_PERFORMER_DTYPES, e.g. float32, adds Performer runs in those dtypes;
-#               GPU_PERF_PERFORMER_MODE=tc runs them with NT_KERNELS_PERFORMER=tc, so that
-#               GPU_PERF_PERFORMER_BACKENDS=fused,performer-simt times tensor cores against SIMT;
-#               performer-tc / performer-flash / performer-gemm force their kernels per backend, so
-#               GPU_PERF_PERFORMER_BACKENDS=performer-simt,performer-tc,performer-flash,performer-gemm
-#               is the issue-39 A/B in one run; GPU_PERF_PERFORMER_SHAPE=H,D, e.g. 2,30 (the tolokers
-#               layer's), sets the Performer runs' heads and head dim)
+#               GPU_NCU_VARIANTS (default fused,fused:stream; each an equal share of the stage;
+#               VARIANT@REGEX: only the kernels REGEX matches, in 30 s, e.g. fused:pipe@^_reduce_kernel$),
+#               the first with a 1 GiB copy and a cuBLAS GEMM for calibration (gpu_ncu.py layer); kernel
+#               replay, --clock-control none, --import-source yes, --set detailed, the project's, cuBLAS's
+#               and the calibration's kernels (gpu_ncu.py kernels; GPU_NCU_KERNELS=all or a regex for
+#               others); the raw, details and source pages as CSV, and logs/ncu-tables.md (gpu_ncu.py table)
+#   5 op        `nt-kernels bench` on tolokers' Performer-path, then exact-path segments, H = 4, D = 32,
+#               bfloat16, fused; GPU_PERF_OP_BACKENDS / GPU_PERF_PERFORMER_BACKENDS add backends ("flex":
+#               about 25 s of compiling; performer-simt / -tc / -flash / -gemm force their kernels, so
+#               the four are the issue-39 A/B in one run); GPU_PERF_PERFORMER_DTYPES (e.g. float32) adds
+#               Performer dtypes, GPU_PERF_PERFORMER_MODE=tc sets NT_KERNELS_PERFORMER=tc for them, and
+#               GPU_PERF_PERFORMER_SHAPE=H,D (e.g. 2,30, the tolokers layer's) their heads and head dim
 # Without CUDA (a dry run: tests/test_gpu_scripts.py) every stage runs the same commands on the
 # CPU with cut-down graphs.  Environment: GPU_PERF, GPU_PERF_BUDGET (default 520),
 # GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu/gpu_common.sh's.
@@ -61,8 +56,7 @@ export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKEND
 export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \
   GPU_PERF_PERFORMER_MODE=${GPU_PERF_PERFORMER_MODE:-} GPU_PERF_PERFORMER_SHAPE=${GPU_PERF_PERFORMER_SHAPE:-} \
   GPU_PERF_BLOCKS=${GPU_PERF_BLOCKS:-0}
-# stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected
-# stages at least their minimums.
+# stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected stages their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="45 15"
                    [op]="150 40" [ncu]="260 100")
 ORDER=(warm layer steps powerlaw roofline op ncu)
@@ -183,21 +177,29 @@ stage_powerlaw() {
 }
 # ncu_variant VARIANT [--calibrate]: one ncu run of gpu_ncu.py's layer program, then its CSV pages; a
 # metric list that this ncu rejects is dropped for a second try with the sections' own metrics.
-ncu_variant() {
-  local variant=$1 label=${1//:/-} dir=$WORK/logs/ncu rep=$WORK/ncu-reports/$1 rc
+ncu_filter() {  # ncu_filter VARIANT[@REGEX]: the kernels ncu profiles for it, as a regex, or "all"
+  if [[ $1 == *@* ]]; then echo "${1#*@}"  # the variant's own
+  elif [ -n "${GPU_NCU_KERNELS:-}" ]; then echo "$GPU_NCU_KERNELS"
+  else ntpy "$REPO/scripts/gpu/gpu_ncu.py" kernels  # the project's, cuBLAS's and the calibration's kernels
+  fi
+}
+
+ncu_variant() {  # ncu_variant VARIANT[@REGEX] [gpu_ncu.py layer options]
+  local variant=${1%%@*} only= filter label dir=$WORK/logs/ncu rep rc
+  [[ $1 == *@* ]] && only=${1#*@}
+  filter=$(ncu_filter "$1")
+  label=${variant//:/-}${only:+-only}
+  rep=$WORK/ncu-reports/$label
   shift
-  rep=${rep//:/-}
   local profile=(--profile-from-start off --replay-mode kernel --clock-control none --import-source yes
                  --set detailed -f -o "$rep")
-  # The project's, cuBLAS's and the calibration's kernels (gpu_ncu.py's KERNELS); GPU_NCU_KERNELS=all: every one.
-  [ "${GPU_NCU_KERNELS:-}" = all ] \
-    || profile+=(--kernel-name-base demangled --kernel-name "regex:${GPU_NCU_KERNELS:-$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" kernels)}")
+  [ "$filter" = all ] || profile+=(--kernel-name-base demangled --kernel-name "regex:$filter")
   mkdir -p "$dir" "$WORK/ncu-reports"
   local ncu=(timeout --kill-after=5 "${NCU_RUN_LIMIT:-100000}" "$NCU")  # its share of the stage (stage_ncu)
   (cd "$WORK" && "${ncu[@]}" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" metrics)" "$PY" -P \
     "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
   rc=$?
-  if grep -q "No kernels were profiled" "$dir/run-$label.log" && [ "${GPU_NCU_KERNELS:-}" != all ]; then
+  if grep -q "No kernels were profiled" "$dir/run-$label.log" && [ "${GPU_NCU_KERNELS:-}" != all ] && [ -z "$only" ]; then
     echo "-- $variant: the kernel filter matched nothing; again with every kernel"
     GPU_NCU_KERNELS=all ncu_variant "$variant" "$@"
     return $?
@@ -224,7 +226,8 @@ stage_ncu() {
   local variant first=1 rc=0 calib
   if ! have_cuda; then
     echo "SKIP ncu (no CUDA device): the profiled program on CPU (graph cut down), then the tables from the"
-    echo "committed CSV fixture (tests/data/ncu); kernel filter: $(ntpy "$REPO/scripts/gpu/gpu_ncu.py" kernels)"
+    echo "committed CSV fixture (tests/data/ncu); kernel filters:"
+    for variant in ${GPU_NCU_VARIANTS//,/ }; do echo "  ${variant%%@*}: $(ncu_filter "$variant")"; done
     ntpy "$REPO/scripts/gpu/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
     ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
       >/dev/null || return 1
@@ -235,15 +238,23 @@ stage_ncu() {
   [ -n "$NCU" ] || { echo "SKIP ncu: not on PATH (set NCU to its path)"; return 1; }
   export NCU
   "$NCU" --version | tail -1
-  # Each variant's profiled program gets an equal share of what is left (40 s of it kept for its exports):
-  # a variant that hangs (the flash Performer on 2026-11-28) leaves the next its time.
-  local stage_end=$(( $(date +%s) + STAGE_LIMIT - 10 )) left
+  # Each whole-layer variant's profiled program gets an equal share of what is left (40 s of it kept for its
+  # exports) after the VARIANT@REGEX ones still to come have their 30 + 40 s: a variant that hangs (the flash
+  # Performer on 2026-11-28) leaves the next its time.
+  local stage_end=$(( $(date +%s) + STAGE_LIMIT - 10 )) left only
   left=$(wc -w <<<"${GPU_NCU_VARIANTS//,/ }")
+  only=$(tr ',' '\n' <<<"$GPU_NCU_VARIANTS" | grep -c @)
   for variant in ${GPU_NCU_VARIANTS//,/ }; do
     calib=()
     [ $first = 1 ] && calib=(--calibrate)
     first=0
-    NCU_RUN_LIMIT=$(( (stage_end - $(date +%s)) / left - 40 ))
+    if [[ $variant == *@* ]]; then  # a few kernels only
+      NCU_RUN_LIMIT=$(( stage_end - $(date +%s) - 40 ))
+      NCU_RUN_LIMIT=$(( NCU_RUN_LIMIT < 30 ? NCU_RUN_LIMIT : 30 ))
+      only=$(( only - 1 ))
+    else
+      NCU_RUN_LIMIT=$(( (stage_end - $(date +%s) - 70 * only) / (left - only) - 40 ))
+    fi
     export NCU_RUN_LIMIT=$(( NCU_RUN_LIMIT < 10 ? 10 : NCU_RUN_LIMIT ))  # timeout 0 would mean none
     left=$(( left - 1 ))
     echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left," \
@@ -255,7 +266,7 @@ stage_ncu() {
   head -40 "$WORK/logs/ncu-tables.md" 2>/dev/null
   return $rc
 }
-export -f stage_env stage_warm stage_layer layer_variants_left stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant \
+export -f stage_env stage_warm stage_layer layer_variants_left stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant ncu_filter \
   install_site triton_cache_setup
 
 stage_done() {  # perf.json from every stage's JSON so far, and the table

@@ -12,8 +12,9 @@ the variants run in this one process, one after the other.
 
 A variant may name environment switches after colons, set while it runs (the op reads both at
 every call): ``:recompute`` (``NT_KERNELS_NTCONV_RECOMPUTE=1``, the fused layer's opt-in sm_90
-recompute path), ``:stream`` (``NT_KERNELS_NTCONV_RECOMPUTE=stream``, its opt-in streaming design, issue 40)
-and ``:tc`` / ``:simt`` / ``:flash`` / ``:gemm`` (``NT_KERNELS_PERFORMER``: the CUDA Performer kernels, or
+recompute path), ``:stream`` (``NT_KERNELS_NTCONV_RECOMPUTE=stream``, its opt-in streaming design, issue 40),
+``:pipe`` (``NT_KERNELS_NTCONV_REDUCE=pipe``, the pipelined segmented reductions, issue 40) and ``:tc`` /
+``:simt`` / ``:flash`` / ``:gemm`` (``NT_KERNELS_PERFORMER``: the CUDA Performer kernels, or
 ``performer-gemm``, the library-GEMM yardstick),
 e.g. ``--variants fused,fused:recompute,fused:recompute:tc,unfused``.
 
@@ -86,7 +87,8 @@ def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], floa
 
 SWITCHES = {"recompute": ("NT_KERNELS_NTCONV_RECOMPUTE", "1"), "stream": ("NT_KERNELS_NTCONV_RECOMPUTE", "stream"),
             "tc": ("NT_KERNELS_PERFORMER", "tc"), "simt": ("NT_KERNELS_PERFORMER", "simt"),
-            "flash": ("NT_KERNELS_PERFORMER", "flash"), "gemm": ("NT_KERNELS_PERFORMER", "gemm")}
+            "flash": ("NT_KERNELS_PERFORMER", "flash"), "gemm": ("NT_KERNELS_PERFORMER", "gemm"),
+            "pipe": ("NT_KERNELS_NTCONV_REDUCE", "pipe")}
 
 
 @contextlib.contextmanager

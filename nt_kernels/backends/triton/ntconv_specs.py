@@ -12,6 +12,7 @@ each kernel argument exactly once.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -209,6 +210,9 @@ REDUCTIONS = ([(f"receive{m} C{c}", m, c, True, True) for m in range(4) for c in
               + [(f"d_receiver C{c}", 0, c, False, True) for c in (60, 256)]
               + [(f"d_centre C{c}", 0, c, False, False) for c in (60, 256)]
               + [(f"lse H{h}", 4, h, False, False) for h in (2, 16)])
+# The tolokers layer's reductions, also compiled pipelined (NT_KERNELS_NTCONV_REDUCE=pipe; the softmax mode
+# never is: ntconv_reduce.PIPE_MAX_CHANNELS).
+PIPE_CHANNELS = (60, 2)
 
 
 def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
@@ -225,15 +229,15 @@ def _reduction_specs(t: str, all_modes: bool) -> list[Spec]:
     merge_types = dict(splits="*i32", part="*fp32", acc="*fp32", run_max="*fp32", run_sum="*fp32", count="*fp32",
                        split0="i32", C="i32", KEY_OFF="i32", PLANE="i32")
     specs = []
-    for name, mode, channels, gelu, gather in REDUCTIONS:
-        if mode == 4 and not all_modes:
+    for (name, mode, channels, gelu, gather), pipe in itertools.product(REDUCTIONS, (False, True)):
+        if (mode == 4 and not all_modes) or (pipe and (channels not in PIPE_CHANNELS or mode == 2)):
             continue
         types = dict(reduce_types, x="*fp32") if mode == 4 else reduce_types
         block_c, rows, state_items = ntconv_plan.reduce_launch(channels)
         tiles = ntconv_plan.reduce_tiles(channels, 1)
-        specs.append(Spec(f"reduce {name}", ntconv_reduce._reduce_kernel, types,
+        specs.append(Spec(f"reduce {name}" + (" pipe" if pipe else ""), ntconv_reduce._reduce_kernel, types,
                           dict(MODE=mode, APPLY_GELU=gelu, GATHER=gather, CLASSES=ntconv_plan.REDUCE_CLASSES,
-                               ROWS=rows, STATE_ITEMS=state_items, BLOCK_C=block_c, BF16_EMU=False),
+                               ROWS=rows, STATE_ITEMS=state_items, BLOCK_C=block_c, BF16_EMU=False, PIPE=pipe),
                           dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)))
     merges = [(m, c) for m in (0, 2, 3) for c in (60, 256) if all_modes or m == 3] + ([(4, 16)] if all_modes else [])
     for mode, channels in merges:
