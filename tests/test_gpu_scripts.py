@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHELL_SCRIPTS = ["gpu/gpu_check.sh", "gpu/gpu_perf.sh", "gpu/gpu_common.sh", "gpu/gpu_bundle.sh",
+SHELL_SCRIPTS = ["gpu/gpu_check.sh", "gpu/gpu_perf.sh", "gpu/gpu_perf_ncu.sh", "gpu/gpu_common.sh", "gpu/gpu_bundle.sh",
                  "gpu/build_extension.sh", "cross_check.sh", "cuda_check.sh", "wheel_smoke.sh"]
 
 
@@ -318,6 +318,11 @@ def test_logged_specialisations_replay_into_cache_hits(check_dry_run, tmp_path):
     assert counts["loads"] >= 5 and counts["hits"] == counts["loads"], counts
 
 
+def doc_stage_order(stdout: str) -> list[str]:
+    """The stages a GPU script's output says it started, in order."""
+    return re.findall(r"^== stage \S+ (\w+) \(limit", stdout, re.M)
+
+
 def test_gpu_perf_dry_run(tmp_path):
     pytest.importorskip("triton")
     result = run(["bash", "scripts/gpu/gpu_perf.sh"], env=dict(
@@ -326,8 +331,11 @@ def test_gpu_perf_dry_run(tmp_path):
     out = tmp_path / "perf-out"
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == {"0-env.log", "1-layer.log", "2-steps.log", "3-powerlaw.log",
-                                              "4-roofline.log", "5-op.log", "6-ncu.log", "perf.json",
+                                              "4-roofline.log", "7-tune.log", "5-op.log", "6-ncu.log", "perf.json",
                                               "results.tar.gz"}
+    tune = (out / "7-tune.log").read_text()  # the tuner's candidates of one key compiled for sm_90, untimed
+    assert "tune --compile-only: 6 of 6 candidates of 1 keys launched" in tune, tune[-2000:]
+    assert doc_stage_order(result.stdout) == ["env", "layer", "steps", "powerlaw", "roofline", "tune", "op", "ncu"]
     doc = json.loads((out / "perf.json").read_text())
     assert {v["variant"]: v["status"] for v in doc["layer"]["variants"]} == {
         "fused": "ok", "fused:recompute": "ok", "fused:stream": "ok", "fused:stream:pipe": "ok", "unfused": "ok"}

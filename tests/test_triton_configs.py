@@ -258,21 +258,36 @@ def test_tune_cli_needs_a_gpu(tmp_path, capsys):
     assert not (tmp_path / "t.py").exists()
 
 
+def test_tune_compile_only_refuses_the_interpreter_and_times_nothing(monkeypatch, tmp_path, capsys):
+    """--compile-only compiles for the active Triton target (the bundle's compile-only sm_90 one,
+    tests/test_gpu_scripts.py's perf dry run); under TRITON_INTERPRET=1 it would run the kernels instead, so it
+    refuses; without it the tuner needs --out."""
+    from nt_kernels.backends.triton import common
+
+    monkeypatch.setattr(common, "INTERPRET", True)
+    assert cli.main(["tune", "--compile-only", "--dtypes", "bf16", "--head-dims", "32", "--sizes", "t16"]) == 2
+    assert "TRITON_INTERPRET=1 would run the kernels" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--out is required"):
+        cli.main(["tune", "--device", "cpu"])
+
+
 def test_tuner_launches_its_candidates_under_the_interpreter(monkeypatch):
     """The tuner's GPU part (tuning graph, lse / delta fill, launch of each candidate alone) run on
     CPU tensors under TRITON_INTERPRET=1 with do_bench replaced by one call: no launch error."""
     triton_testing = pytest.importorskip("triton.testing")
     launched = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(triton_testing, "do_bench", lambda fn, warmup, rep: (fn(), launched.append(1), 1.0)[-1])
-    timer = tune.GpuTimer(torch.device("cpu"), heads=2, rows=120, warmup=1, rep=1)
+    timer = tune.GpuTimer(torch.device("cpu"), heads=2, rows=120, warmup=1, rep=1, head_dims={8: 7})
     keys = [("fwd_packed", "fp32", 4, "t16"), ("bwd_packed", "fp32", 4, "t16"), ("fwd_multi", "bf16", 8, "multi"),
             ("bwd_dq", "bf16", 8, "multi"), ("bwd_dkdv", "bf16", 8, "multi")]
     entries, log = tune.tune_entries(keys, lambda key: configs.candidates(*key, heads=2)[:2], timer)
     assert all(c["error"] == "" for row in log for c in row["candidates"]), log
     assert len(entries) == len(keys) and len(launched) == 2 * len(keys)
     assert set(timer.row_counts) == {("fp32", 4, "t16"), ("bf16", 8, "multi")}, "one tuning graph per group"
+    # class d8's tuning graph has D = 7 (--head-dims 7), and its bytes count 7 columns
+    assert timer.current[1]["tensors"]["q_ptr"].shape[2] == 7 and timer.current[1]["head_dim"] == 7
+    row = tune.roofline_row({"key": "bwd_dkdv/bf16/d8/multi", "best_ms": 1.0}, timer.row_counts, 2, 1.0, {8: 7})
+    assert row["head_dim"] == 7 and row["min_bytes"] == tune.minimum_bytes("bwd_dkdv", row["rows"], 2, 7, 2)
 
 
 def test_row_blocks_have_their_own_key_and_fall_back_to_the_64_row_tiles(table_file):

@@ -1,10 +1,11 @@
 """``nt-kernels tune``: time the launch configs of the exact-path Triton kernels on this GPU and write the table.
 
-For every dtype, head dim and (kernel, size class) asked for, a synthetic
+For every dtype, head-dim class and (kernel, size class) asked for, a synthetic
 graph whose segments all fall into that size class (packed tiles of height
 16, 32 or 64, the opt-in row blocks' segments of 1-16 rows in place, or
 multi-tile segments of 65-256 rows) is built on the GPU with about ``--rows``
-packed rows and ``--heads`` heads.  Each candidate config of
+packed rows, ``--heads`` heads and the first of ``--head-dims`` in the class
+(``--head-dims 30`` tunes class d32 at the tolokers layer's D = 30).  Each candidate config of
 the key (configs.candidates: the heuristic's first) is launched alone on it
 and timed with ``triton.testing.do_bench``; the fastest becomes the key's
 entry for this GPU's architecture (``sm_<cc>``).  A candidate that fails to
@@ -23,8 +24,15 @@ every candidate's time, the kernel's minimum bytes (docs/kernels-exact-cuda.md) 
 achieved fraction of the device-to-device copy bandwidth measured in the same
 run.
 
+``--compile-only`` times nothing and needs no GPU: it launches every
+candidate once on CPU tensors for the active Triton target, which is how
+``make gpu-bundle`` puts the tune stage's candidates (scripts/gpu/gpu_perf.sh)
+in its Triton cache, under scripts/gpu/gpu_triton.py's compile-only sm_90
+target.
+
     nt-kernels tune --device cuda --out config_table.py --timings tune.json
     nt-kernels tune --device cuda --dtypes bf16 --head-dims 8,32 --sizes t16,t32 --max-candidates 4 --out t.py
+    python -P scripts/gpu/gpu_triton.py warm --fake-target -- tune --compile-only --dtypes bf16 --head-dims 30
 """
 from __future__ import annotations
 
@@ -49,7 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="a CUDA device (tuning needs a GPU)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list among fp32, bf16, fp16")
-    p.add_argument("--head-dims", default="1,2,4,8,16,32,64", help="head dims to tune (each stands for its class)")
+    p.add_argument("--head-dims", default="1,2,4,8,16,32,64",
+                   help="head dims to tune (each stands for its class, whose tuning graph has the first given)")
     p.add_argument("--heads", type=int, default=4, help="H of the tuning inputs (default 4)")
     p.add_argument("--rows", type=int, default=1 << 20, help="packed rows E of each tuning graph")
     p.add_argument("--kernels", default=",".join(ALL_KERNELS), help="comma list of kernels to tune")
@@ -59,8 +68,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, milliseconds")
     p.add_argument("--rep", type=int, default=50, help="do_bench measuring time, milliseconds")
     p.add_argument("--base", default=None, help="table whose other entries are kept (default: the table in use)")
-    p.add_argument("--out", required=True, help="table file to write (config_table.py format)")
+    p.add_argument("--out", default=None, help="table file to write (config_table.py format; required unless "
+                   "--compile-only)")
     p.add_argument("--timings", default=None, help="also write every candidate's time to this JSON file")
+    p.add_argument("--compile-only", action="store_true",
+                   help="launch every candidate once on CPU tensors for the active Triton target and time nothing "
+                        "(the bundle's compile-only sm_90 target; not under TRITON_INTERPRET=1)")
     p.set_defaults(func=run)
     return p
 
@@ -144,21 +157,31 @@ def class_sizes(size: str, max_tile: int) -> list[int]:
 
 
 class GpuTimer:
-    """time_of(key, config) on one CUDA device: a tuning graph per (dtype, D, size) and do_bench."""
+    """time_of(key, config) on one CUDA device: a tuning graph per (dtype, D, size) and do_bench.
 
-    def __init__(self, device: torch.device, heads: int, rows: int, warmup: int, rep: int):
+    ``head_dims`` maps a head-dim class to the head dim its tuning graph has (default: the class itself;
+    ``--head-dims 30`` tunes class d32 at D = 30, the tolokers layer's, whose loads are masked and
+    specialised differently from D = 32's).  With ``warmup`` None (``--compile-only``) the device is the
+    CPU and each candidate is launched once, untimed (0 ms): what the active Triton target compiles is the
+    point."""
+
+    def __init__(self, device: torch.device, heads: int, rows: int, warmup: int | None, rep: int,
+                 head_dims: dict | None = None):
         self.device, self.heads, self.rows, self.warmup, self.rep = device, heads, rows, warmup, rep
+        self.head_dims = head_dims or {}
+        self.cuda = device.type == "cuda"
         self.current: tuple = (None, None)   # (key, problem): one tuning graph on the device at a time
         self.row_counts: dict = {}           # (dtype, D, size) -> packed rows of its tuning graph
 
-    def problem(self, dtype: str, head_dim: int, size: str) -> dict:
+    def problem(self, dtype: str, dim_class: int, size: str) -> dict:
         from nt_kernels.backends.triton.common import num_programs
         from nt_kernels.backends.triton.plan import build_plan, max_packed_tile, shared_memory_per_block
 
-        key = (dtype, head_dim, size)
+        key, head_dim = (dtype, dim_class, size), self.head_dims.get(dim_class, dim_class)
         if self.current[0] != key:
             self.current = (None, None)
-            torch.cuda.empty_cache()
+            if self.cuda:
+                torch.cuda.empty_cache()
             torch_dtype = {v: k for k, v in configs.DTYPE_NAMES.items()}[dtype]
             max_tile = max_packed_tile(torch_dtype, head_dim, shared_memory_per_block(self.device))
             sizes = torch.tensor(class_sizes(size, max_tile))
@@ -175,9 +198,10 @@ class GpuTimer:
             lse, delta = (torch.zeros(rows, self.heads, device=self.device) for _ in range(2))
             blocks = size == configs.ROWS  # the row blocks' tuning graph: segments of 1-16 rows in place
             plan = build_plan(rowptr, torch.arange(count, device=self.device), rows, max_tile, blocks)
-            problem = dict(dtype=torch_dtype, rows=rows, blocks=blocks, grid=(num_programs(self.device),), tensors=dict(
-                q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, do_ptr=do, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, lse_ptr=lse,
-                delta_ptr=delta, plan=plan))
+            problem = dict(dtype=torch_dtype, rows=rows, head_dim=head_dim, blocks=blocks,
+                           grid=(num_programs(self.device),),
+                           tensors=dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=o, do_ptr=do, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv,
+                                        lse_ptr=lse, delta_ptr=delta, plan=plan))
             self._fill(problem, head_dim)
             self.current, self.row_counts[key] = (key, problem), rows
         return self.current[1]
@@ -196,7 +220,8 @@ class GpuTimer:
         config = configs.heuristic("bwd_dq", name, configs.head_dim_class(head_dim), "multi", 0)
         launch(bwd_spec("bwd_dq", config, problem["dtype"], self.heads, head_dim), problem["grid"],
                **self.args("bwd_dq", problem))
-        torch.cuda.synchronize(self.device)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def args(kernel: str, problem: dict) -> dict:
@@ -227,8 +252,11 @@ class GpuTimer:
         tile = configs.size_tile(size)
         cls = BLOCK_CLASS if size == configs.ROWS else (configs.PACKED_HEIGHTS.index(tile) if tile else 0)
         make = fwd_spec if kernel.startswith("fwd") else bwd_spec
-        spec = make(kernel, config, problem["dtype"], self.heads, dim_class, cls, tile)
+        spec = make(kernel, config, problem["dtype"], self.heads, problem["head_dim"], cls, tile)
         args = self.args(kernel, problem)
+        if self.warmup is None:
+            launch(spec, problem["grid"], **args)
+            return 0.0
         return do_bench(lambda: launch(spec, problem["grid"], **args), warmup=self.warmup, rep=self.rep)
 
 
@@ -242,14 +270,36 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
-def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        print("tune: needs a CUDA device (the table holds configs timed on a GPU); "
-              f"--device {args.device} has none here")
-        return 2
-    import triton
+COMPILE_ONLY_ROWS = 4096  # --compile-only's tuning graphs at most: their size changes nothing that compiles
 
+
+def compile_only(keys, candidates_of, heads: int, rows: int, head_dims: dict) -> int:
+    """``--compile-only``: every candidate of every key launched once on CPU tensors (graphs of at most
+    COMPILE_ONLY_ROWS rows), untimed."""
+    from nt_kernels.backends.triton.common import INTERPRET
+
+    if INTERPRET:
+        print("tune --compile-only: TRITON_INTERPRET=1 would run the kernels, not compile them (run it under "
+              "scripts/gpu/gpu_triton.py's compile-only target: gpu_triton.py warm --fake-target -- tune ...)")
+        return 2
+    timer = GpuTimer(torch.device("cpu"), heads, min(rows, COMPILE_ONLY_ROWS), None, 0, head_dims)
+    _, log = tune_entries(keys, candidates_of, timer)
+    tried = [(row["key"], c) for row in log for c in row["candidates"]]
+    failed = [(key, c) for key, c in tried if c["error"]]
+    print(f"tune --compile-only: {len(tried) - len(failed)} of {len(tried)} candidates of {len(keys)} keys launched")
+    for key, c in failed:  # e.g. out of shared memory: the GPU's tuner skips them too
+        print(f"  {key} {c['config']}: {c['error']}")
+    return 1 if tried and len(failed) == len(tried) else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device("cpu" if args.compile_only else args.device)
+    if not args.compile_only and not args.out:
+        raise SystemExit("tune: --out is required (the table file to write)")
+    if not args.compile_only and (device.type != "cuda" or not torch.cuda.is_available()):
+        print("tune: needs a CUDA device (the table holds configs timed on a GPU); "
+              f"--device {args.device} has none here (--compile-only only compiles)")
+        return 2
     from nt_kernels.backends.triton.common import device_arch
 
     arch = device_arch(device)
@@ -257,10 +307,18 @@ def run(args: argparse.Namespace) -> int:
     for name in dtypes:
         if name not in configs.DTYPE_NAMES.values():
             raise SystemExit(f"tune: unknown dtype {name!r} (fp32, bf16, fp16)")
-    keys = tune_keys(dtypes, [int(d) for d in args.head_dims.split(",")], args.kernels.split(","), sizes)
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    keys = tune_keys(dtypes, head_dims, args.kernels.split(","), sizes)
+    dims = {}  # each class's tuning graph at the first head dim asked for in it
+    for d in head_dims:
+        dims.setdefault(configs.head_dim_class(d), d)
 
     def candidates_of(key):
         return configs.candidates(*key, heads=args.heads, arch=arch)[:args.max_candidates]
+
+    if args.compile_only:
+        return compile_only(keys, candidates_of, args.heads, args.rows, dims)
+    import triton
 
     name = torch.cuda.get_device_name(device)
     source = (f"nt-kernels tune on {name}, triton {triton.__version__}, torch {torch.__version__}, "
@@ -268,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"tune: {len(keys)} keys, {sum(len(candidates_of(k)) for k in keys)} candidates for "
           f"{configs.arch_name(arch)} ({name}); writing {args.out} after each key", flush=True)
     table = configs.read_table(args.base) if args.base else configs.load_table()
-    timer = GpuTimer(device, args.heads, args.rows, args.warmup, args.rep)
+    timer = GpuTimer(device, args.heads, args.rows, args.warmup, args.rep, dims)
     bandwidth = copy_bandwidth(device)
     entries, log = {}, []
     for key in keys:
@@ -276,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
         entries.update(new)
         table = merge_table(table, arch, new, source)
         configs.write_table(table, args.out, header=f"Written by `nt-kernels tune` ({source}).")
-        log += [roofline_row(row, timer.row_counts, args.heads, bandwidth) for row in rows]
+        log += [roofline_row(row, timer.row_counts, args.heads, bandwidth, dims) for row in rows]
         row = log[-1]
         print(f"{row['key']:<28} best {row['best_ms'] or math.inf:8.3f} ms (first {row['first_ms'] or math.inf:8.3f})"
               f"  {row.get('fraction_of_copy', 0):6.1%} of copy  {row['best']}", flush=True)
@@ -289,13 +347,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def roofline_row(row: dict, row_counts: dict, heads: int, bandwidth: float) -> dict:
-    """A log row with the kernel's minimum bytes, achieved GB/s and fraction of the copy bandwidth."""
+def roofline_row(row: dict, row_counts: dict, heads: int, bandwidth: float, head_dims: dict | None = None) -> dict:
+    """A log row with the kernel's minimum bytes (at the head dim its graph had: ``head_dims``, class ->
+    D), achieved GB/s and fraction of the copy bandwidth."""
     kernel, dtype, dim_class, size = configs.parse_key(row["key"])
     rows = row_counts.get((dtype, dim_class, size))
     if rows and row["best_ms"]:
         itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
-        need = minimum_bytes(kernel, rows, heads, dim_class, itemsize)
-        row = dict(row, rows=rows, min_bytes=need, gb_per_s=need / (row["best_ms"] * 1e-3) / 1e9)
+        head_dim = (head_dims or {}).get(dim_class, dim_class)
+        need = minimum_bytes(kernel, rows, heads, head_dim, itemsize)
+        row = dict(row, rows=rows, head_dim=head_dim, min_bytes=need, gb_per_s=need / (row["best_ms"] * 1e-3) / 1e9)
         row["fraction_of_copy"] = row["gb_per_s"] / bandwidth
     return row

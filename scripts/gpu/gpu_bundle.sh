@@ -9,7 +9,8 @@
 #   .gpu-bundle/manifest.json        versions, the wheel's name, the hash of csrc/ and CMakeLists.txt
 #   .gpu-bundle/triton-cache.tar.xz, triton-fingerprint.json, triton-sources.json   (TRITON_AOT=1) the
 #        Triton kernels of scripts/gpu/gpu_check.sh's warm workload (every check row's kernels), of
-#        scripts/gpu/gpu_perf.sh's training steps (both paths of the fused layer) and of
+#        scripts/gpu/gpu_perf.sh's training steps (both paths of the fused layer), of its tune stage's
+#        candidates (`nt-kernels tune --compile-only`) and of
 #        the logged specialisations of earlier GPU runs (bench/results/gpu-runs/*/triton-specs.jsonl.gz),
 #        compiled for sm_90 here, with GPU_PYTHON's Triton and the wheel installed, through
 #        scripts/gpu/gpu_triton.py's compile-only target; gpu_check.sh / gpu_perf.sh unpack it when the
@@ -89,6 +90,11 @@ triton_aot() {
     --fake-target --jobs "$jobs" --tag aot-blocks --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 3600 -- check \
     --device cpu --kernels-only --dims "$WARM_DIMS" --dtypes "$WARM_DTYPES" --suites exact) \
     || echo "gpu-bundle: the row-block warm failed (those kernels compile on the GPU)"
+  # gpu_perf.sh's tune stage: every candidate it times (TUNE_ARGS), and its tuning graphs' fill launches.
+  echo "gpu-bundle: Triton cache: the tune stage's candidates (tune $TUNE_ARGS)"
+  (cd "$work" && "${env[@]}" "$GPU_PYTHON" -P "$OLDPWD/scripts/gpu/gpu_triton.py" warm --fake-target --jobs "$jobs" \
+    --tag aot-tune --log "$PWD/aot.jsonl" --out-dir "$PWD" --timeout 3600 -- tune --compile-only $TUNE_ARGS) \
+    || echo "gpu-bundle: the tune warm failed (those kernels compile on the GPU)"
   # The training steps of scripts/gpu/gpu_perf.sh (layer and powerlaw presets, bf16 autocast), on the
   # fused layer's default path, on its opt-in recompute and streaming designs, and on the default path with
   # the opt-in pipelined reductions (NT_KERNELS_NTCONV_REDUCE=pipe: the same reductions in every design).

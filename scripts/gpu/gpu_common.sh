@@ -21,6 +21,9 @@ declare -A STATUS SECONDS_USED
 WARM_DIMS=1,8,9,23,53,64,128,256,16,32
 WARM_DTYPES=float32,bfloat16,float16
 WARM_SUITES=exact,switch,determinism,nan,tolokers,ntconv
+# gpu_perf.sh's tune stage (`nt-kernels tune`; make gpu-bundle compiles its candidates ahead): the exact
+# kernels' keys of the tolokers step (bf16 autocast, H = 2, class d32 at its D = 30), every candidate (92).
+export TUNE_ARGS="--dtypes bf16 --head-dims 30 --heads 2 --sizes t16,t32,t64,rows,multi"
 
 gpu_setup() {  # gpu_setup WORK: fresh work folders and the environment every process gets
   WORK=$1

@@ -8,7 +8,7 @@
 #   bash scripts/gpu/gpu_perf.sh
 #   GPU_PERF=layer,roofline bash scripts/gpu/gpu_perf.sh
 #
-# Stages (GPU_PERF, a comma list; default layer,steps,powerlaw,roofline,op,ncu; stage 0 always runs;
+# Stages (GPU_PERF, a comma list; default layer,steps,powerlaw,roofline,tune,op,ncu; stage 0 always runs;
 # they run in this order, each limited to leave the later selected stages their minimum):
 #   0 env       versions, the bundle's wheel installed, Triton's fingerprint and the bundle's Triton cache
 #   warm        (only when named) the Triton kernels of the layer and powerlaw stages compiled
@@ -29,6 +29,9 @@
 #   4 roofline  the exact path on E = 2M packed rows of degree <= 8 against the copy bandwidth
 #               (scripts/gpu/gpu_measure.py roofline); GPU_PERF_BLOCKS=1 runs it, and the op stage's exact
 #               subset (fused), again on the opt-in row blocks (NT_KERNELS_EXACT_BLOCKS=1)
+#   7 tune      `nt-kernels tune` at the tolokers step's exact keys (gpu_common.sh TUNE_ARGS: bf16, H = 2,
+#               class d32 at D = 30, every size class, all 92 candidates; the bundle holds them compiled): the table
+#               json/config-table.py and every candidate's time and fraction of copy, json/perf-tune.json
 #   6 ncu       Nsight Compute over one warm tolokers layer, forward + backward, per variant of
 #               GPU_NCU_VARIANTS (default fused,fused:stream; each an equal share of the stage;
 #               VARIANT@REGEX: only the kernels REGEX matches, in 30 s, e.g. fused:pipe@^_reduce_kernel$),
@@ -47,8 +50,9 @@
 # GPU_PERF_LAYER_VARIANTS, GPU_PERF_LAYER_GRAPHS, GPU_WORK (default /tmp/nt-gpu-perf), and scripts/gpu/gpu_common.sh's.
 set -uo pipefail
 source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/gpu_perf_ncu.sh"  # stage_ncu
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
-GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,op,ncu}
+GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,tune,op,ncu}
 BUDGET=${GPU_PERF_BUDGET:-520}
 export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,fused:stream,unfused}
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers} GPU_PERF_VARIANT_TIMEOUT=${GPU_PERF_VARIANT_TIMEOUT:-45}
@@ -58,8 +62,8 @@ export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PER
   GPU_PERF_BLOCKS=${GPU_PERF_BLOCKS:-0}
 # stage -> "cap minimum" seconds: a stage gets at most its cap and leaves the later selected stages their minimums.
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="45 15"
-                   [op]="150 40" [ncu]="260 100")
-ORDER=(warm layer steps powerlaw roofline op ncu)
+                   [tune]="45 15" [op]="150 40" [ncu]="260 100")
+ORDER=(warm layer steps powerlaw roofline tune op ncu)
 export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:stream}
 DRY_SCALE=1  # 5 in a dry run on the CPU
 
@@ -169,105 +173,26 @@ stage_roofline() {
     --out "$WORK/json/perf-roofline-blocks.json"
 }
 
+stage_tune() {
+  local args=(--device cuda --warmup 5 --rep 20 --out "$WORK/json/config-table.py"
+              --timings "$WORK/json/perf-tune.json")
+  if ! have_cuda; then  # the GPU's tuner times what the bundle compiled this way
+    echo "SKIP CUDA: the candidates of one key compiled for sm_90 instead (compile-only target)"
+    ntpy "$REPO/scripts/gpu/gpu_triton.py" worker --fake-target --tag tune -- tune --compile-only $TUNE_ARGS \
+      --kernels fwd_packed --sizes t64
+    return
+  fi
+  ntpy -m nt_kernels.cli tune $TUNE_ARGS "${args[@]}"
+}
+
 stage_powerlaw() {
   local args=(--device cuda --timeout "$(( STAGE_LIMIT - 10 ))")
   have_cuda || args=(--device cpu --dry-run --timeout 120)
   ntpy -m nt_kernels.cli bench --layer --graph powerlaw --dtype bfloat16-autocast --variants fused --warmup 1 \
     --repeats 2 "${args[@]}" --out "$WORK/json/perf-powerlaw"
 }
-# ncu_variant VARIANT [--calibrate]: one ncu run of gpu_ncu.py's layer program, then its CSV pages; a
-# metric list that this ncu rejects is dropped for a second try with the sections' own metrics.
-ncu_filter() {  # ncu_filter VARIANT[@REGEX]: the kernels ncu profiles for it, as a regex, or "all"
-  if [[ $1 == *@* ]]; then echo "${1#*@}"  # the variant's own
-  elif [ -n "${GPU_NCU_KERNELS:-}" ]; then echo "$GPU_NCU_KERNELS"
-  else ntpy "$REPO/scripts/gpu/gpu_ncu.py" kernels  # the project's, cuBLAS's and the calibration's kernels
-  fi
-}
-
-ncu_variant() {  # ncu_variant VARIANT[@REGEX] [gpu_ncu.py layer options]
-  local variant=${1%%@*} only= filter label dir=$WORK/logs/ncu rep rc
-  [[ $1 == *@* ]] && only=${1#*@}
-  filter=$(ncu_filter "$1")
-  label=${variant//:/-}${only:+-only}
-  rep=$WORK/ncu-reports/$label
-  shift
-  local profile=(--profile-from-start off --replay-mode kernel --clock-control none --import-source yes
-                 --set detailed -f -o "$rep")
-  [ "$filter" = all ] || profile+=(--kernel-name-base demangled --kernel-name "regex:$filter")
-  mkdir -p "$dir" "$WORK/ncu-reports"
-  local ncu=(timeout --kill-after=5 "${NCU_RUN_LIMIT:-100000}" "$NCU")  # its share of the stage (stage_ncu)
-  (cd "$WORK" && "${ncu[@]}" "${profile[@]}" --metrics "$(ntpy "$REPO/scripts/gpu/gpu_ncu.py" metrics)" "$PY" -P \
-    "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" "$@") >"$dir/run-$label.log" 2>&1
-  rc=$?
-  if grep -q "No kernels were profiled" "$dir/run-$label.log" && [ "${GPU_NCU_KERNELS:-}" != all ] && [ -z "$only" ]; then
-    echo "-- $variant: the kernel filter matched nothing; again with every kernel"
-    GPU_NCU_KERNELS=all ncu_variant "$variant" "$@"
-    return $?
-  fi
-  if [ $rc -ne 0 ] && grep -qi "metric" "$dir/run-$label.log"; then
-    echo "-- $variant: ncu refused the metric list (run-$label.log); again with the sections' metrics"
-    (cd "$WORK" && "${ncu[@]}" "${profile[@]}" "$PY" -P "$REPO/scripts/gpu/gpu_ncu.py" layer --variant "$variant" \
-      "$@") >>"$dir/run-$label.log" 2>&1
-    rc=$?
-  fi
-  grep -E "gpu_ncu layer|==ERROR==|==WARNING==" "$dir/run-$label.log" | head -5
-  [ -f "$rep.ncu-rep" ] || { echo "-- $variant: no report (exit $rc)"; return 1; }
-  # raw first (the tables), then the rule texts of the details page, then the source page last and cut at
-  # 60 s (a cut page keeps the kernels it reached): with cuda alone ncu writes the lines without their
-  # metrics (2026-11-28b), so the SASS rows come along, which made the first H200 run's export take a minute.
-  "$NCU" -i "$rep.ncu-rep" --csv --page raw >"$dir/raw-$label.csv" 2>&1
-  "$NCU" -i "$rep.ncu-rep" --csv --page details >"$dir/details-$label.csv" 2>&1
-  timeout 60 "$NCU" -i "$rep.ncu-rep" --csv --page source --print-source cuda,sass >"$dir/source-$label.csv" 2>&1
-  echo "-- $variant: exit $rc; $(grep -c . "$dir/raw-$label.csv") raw lines, $(wc -c <"$dir/source-$label.csv") bytes of source page"
-  return $rc
-}
-
-stage_ncu() {
-  local variant first=1 rc=0 calib
-  if ! have_cuda; then
-    echo "SKIP ncu (no CUDA device): the profiled program on CPU (graph cut down), then the tables from the"
-    echo "committed CSV fixture (tests/data/ncu); kernel filters:"
-    for variant in ${GPU_NCU_VARIANTS//,/ }; do echo "  ${variant%%@*}: $(ncu_filter "$variant")"; done
-    ntpy "$REPO/scripts/gpu/gpu_ncu.py" layer --device cpu --warmup 1 --variant fused || return 1
-    ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$REPO/tests/data/ncu/raw-fixture.csv" --out "$WORK/logs/ncu-tables.md" \
-      >/dev/null || return 1
-    head -30 "$WORK/logs/ncu-tables.md"
-    return 0
-  fi
-  NCU=${NCU:-$(command -v ncu)}  # NCU: its path where it is not on PATH
-  [ -n "$NCU" ] || { echo "SKIP ncu: not on PATH (set NCU to its path)"; return 1; }
-  export NCU
-  "$NCU" --version | tail -1
-  # Each whole-layer variant's profiled program gets an equal share of what is left (40 s of it kept for its
-  # exports) after the VARIANT@REGEX ones still to come have their 30 + 40 s: a variant that hangs (the flash
-  # Performer on 2026-11-28) leaves the next its time.
-  local stage_end=$(( $(date +%s) + STAGE_LIMIT - 10 )) left only
-  left=$(wc -w <<<"${GPU_NCU_VARIANTS//,/ }")
-  only=$(tr ',' '\n' <<<"$GPU_NCU_VARIANTS" | grep -c @)
-  for variant in ${GPU_NCU_VARIANTS//,/ }; do
-    calib=()
-    [ $first = 1 ] && calib=(--calibrate)
-    first=0
-    if [[ $variant == *@* ]]; then  # a few kernels only
-      NCU_RUN_LIMIT=$(( stage_end - $(date +%s) - 40 ))
-      NCU_RUN_LIMIT=$(( NCU_RUN_LIMIT < 30 ? NCU_RUN_LIMIT : 30 ))
-      only=$(( only - 1 ))
-    else
-      NCU_RUN_LIMIT=$(( (stage_end - $(date +%s) - 70 * only) / (left - only) - 40 ))
-    fi
-    export NCU_RUN_LIMIT=$(( NCU_RUN_LIMIT < 10 ? 10 : NCU_RUN_LIMIT ))  # timeout 0 would mean none
-    left=$(( left - 1 ))
-    echo "-- ncu $variant (${calib[*]:-no calibration}), $(( DEADLINE - $(date +%s) )) s of the budget left," \
-      "${NCU_RUN_LIMIT} s for its program"
-    ncu_variant "$variant" "${calib[@]}" || rc=1
-  done
-  ntpy "$REPO/scripts/gpu/gpu_ncu.py" table "$WORK"/logs/ncu/raw-*.csv --out "$WORK/logs/ncu-tables.md" >/dev/null \
-    || rc=1
-  head -40 "$WORK/logs/ncu-tables.md" 2>/dev/null
-  return $rc
-}
-export -f stage_env stage_warm stage_layer layer_variants_left stage_steps stage_op stage_roofline stage_powerlaw stage_ncu ncu_variant ncu_filter \
-  install_site triton_cache_setup
+export -f stage_env stage_warm stage_layer layer_variants_left stage_steps stage_op stage_roofline stage_tune \
+  stage_powerlaw stage_ncu ncu_variant ncu_filter install_site triton_cache_setup
 
 stage_done() {  # perf.json from every stage's JSON so far, and the table
   STAGES="$(stage_times)" TOTAL=$(elapsed) "$PY" "$REPO/scripts/gpu/gpu_perf_report.py" "$WORK" "$OUT/perf.json" \
@@ -286,13 +211,9 @@ if [ "${STATUS[env]}" != ok ]; then
   echo "gpu_perf: stage 0 failed; stopping" | tee -a "$OUT/0-env.log"
   exit 1
 fi
-number=1
-for stage in layer steps powerlaw roofline op ncu; do
-  if [ "$stage" = layer ] && selected warm; then
-    run_stage w warm "$(limit_of warm)" stage_warm
-  fi
-  selected "$stage" && run_stage "$number" "$stage" "$(limit_of "$stage")" "stage_$stage"
-  number=$(( number + 1 ))
+for entry in w:warm 1:layer 2:steps 3:powerlaw 4:roofline 7:tune 5:op 6:ncu; do  # ORDER, with the logs' numbers
+  stage=${entry#*:}
+  selected "$stage" && run_stage "${entry%%:*}" "$stage" "$(limit_of "$stage")" "stage_$stage"
 done
 cat "$WORK/logs/perf-table.txt"
 echo "gpu_perf: done in $(elapsed) s"

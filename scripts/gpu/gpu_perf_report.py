@@ -51,6 +51,7 @@ def collect(work: str) -> dict:
             "roofline": load(f"{work}/json/perf-roofline.json"),
             "roofline_blocks": load(f"{work}/json/perf-roofline-blocks.json"),
             "steps": load(f"{work}/json/perf-steps.json"),
+            "tune": load(f"{work}/json/perf-tune.json"),
             "powerlaw": powerlaw[0] if powerlaw else None,
             "triton": {name: gpu_triton.counts(records, name) for name in stages}}
 
@@ -109,6 +110,11 @@ def table(doc: dict) -> str:
                      f"{roof['copy_gb_per_s']:.0f} GB/s; fwd+bwd {roof['forward_backward_ms']:.2f} ms"
                      + (f" = {100 * roof['forward_backward_fraction_of_copy_bandwidth']:.0f}% of copy"
                         if "forward_backward_fraction_of_copy_bandwidth" in roof else ""))
+    tune = doc.get("tune")
+    for row in tune["keys"] if tune else []:  # nt-kernels tune --timings: the fastest candidate per key
+        lines.append(f"tune {row['key']:24s} best {fmt(row.get('best_ms'), '.3f', ' ms')} (first "
+                     f"{fmt(row.get('first_ms'), '.3f', ' ms')}), {fmt(row.get('fraction_of_copy'), '.0%')} of copy: "
+                     f"{json.dumps(row.get('best'))}")
     pl = doc["powerlaw"]
     if pl:
         for e in pl["results"]:

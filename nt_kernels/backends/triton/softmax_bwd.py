@@ -42,7 +42,7 @@ def store_rows(ptr, offs, valid, d, D, x, BF16_EMU: tl.constexpr):
 
 @triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_packed_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
-                       plan, H, D, scale, qk_scale,
+                       plan, H, D: tl.constexpr, scale, qk_scale,
                        CLASS: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
                        DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     n_tiles, tab = tile_table(plan, CLASS)
@@ -104,7 +104,7 @@ def _dq_key_block(q, do, lse, k_ptr, v_ptr, start, n, j0, h, H, D, d, qk_scale,
 
 @triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-                   plan, H, D, scale, qk_scale,
+                   plan, H, D: tl.constexpr, scale, qk_scale,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr, DELTA_FROM_P: tl.constexpr):
     n_work = tl.load(plan + H_MULTI) * H
@@ -143,7 +143,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_pt
 
 @triton.jit(do_not_specialize_on_alignment=LSE_UNALIGNED)
 def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                     plan, H, D, scale, qk_scale,
+                     plan, H, D: tl.constexpr, scale, qk_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      DOT_PREC: tl.constexpr, BF16_EMU: tl.constexpr):
     n_work = tl.load(plan + H_MULTI) * H
