@@ -24,7 +24,8 @@ LATENCY = 1.0e-6     # s, DRAM latency under load: 3.0 TB/s x 1 us / 132 SMs = 2
 # kernel -> (resident CTAs per SM, rows per tile, waits per tile, what is issued before the first wait)
 LATENCY_MODEL = {
     "prologue": (7, 32, 2, "a tile's indices, then its gathered node rows (no prefetch)"),
-    "rows_gemm": (4, 32, 0, "2 cp.async stages of 32-column K steps of A and of W"),
+    "rows_gemm": (5, 32, 0, "2 cp.async stages of 32-column K steps of A and of W (the layer's shape constexpr; "
+                            "with run-time strides ptxas issued no cp.async: 239 registers, 2 CTAs)"),
     "gate": (7, 16, 1, "a tile of gate halves"),
     "reduce": (2, 64, 4, "an item's entries, then its rows through rrow, then its gathers, then its destinations' "
                          "running state (one block per program; 94 registers on the H200, 2026-11-28b)"),

@@ -156,16 +156,22 @@ def compile_specs(dtype: str) -> list[Spec]:
     """Specs for operand type ``dtype`` ("fp32", "bf16" or "fp16"): parameters, q/k/v and ``out`` in it."""
     t = "*" + dtype
     base = dict(DOT_PREC="ieee", BF16_EMU=False)
-    gemm = dict(a=t, w=t, bias=t, mul=t, out=t, R="i32", K="i32", N="i32", A_SPLIT="i32",
-                A_PART="i32", A_ROW="i32", W_K="i32", W_N="i32")
+    gemm = dict(a=t, w=t, bias=t, mul=t, out=t, R="i32", A_PART="i32")
     grad = dict(y=t, g_out=t, out=t, stats="*fp32", keys="*fp32", recv_rowptr="*i64", gate="*fp32", seg_sum="*fp32",
                 seg_of_row="*i64", receiver="*i64", w_out=t, dy=t, do=t, wa="*fp32", row0="i32", seg0="i32", R="i32")
-    gemm_k = dict(base, BLOCK_N=128, BLOCK_K=ntconv_gemm.BLOCK_K)
+    gemm_k = dict(base, BLOCK_K=ntconv_gemm.BLOCK_K)
     specs = _plan_specs(dtype, t, base)
-    specs += [Spec("gemm_y", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=True, HAS_MUL=False)),
-              Spec("gemm_do", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=False)),
-              Spec("gemm_du", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=True)),
-              Spec("gemm_d_edge", ntconv_gemm._rows_gemm_kernel, gemm, dict(gemm_k, HAS_BIAS=False, HAS_MUL=False))]
+    # The row GEMM's four uses at the tolokers preset (C = 60, gated: C_out = 120) and d_edge at C = 64, F = 32,
+    # with the sizes and strides the op passes (ntconv_op.py).
+    gemm_y = dict(K=60, N=120, A_SPLIT=60, A_ROW=60, W_K=1, W_N=60)
+    gemm_do = dict(K=120, N=60, A_SPLIT=120, A_ROW=120, W_K=60, W_N=1)
+    gemm_du = dict(K=180, N=60, A_SPLIT=60, A_ROW=60, W_K=60, W_N=1)
+    gemm_edge = dict(K=64, N=32, A_SPLIT=64, A_ROW=64, W_K=32, W_N=1)
+    specs += [Spec(name, ntconv_gemm._rows_gemm_kernel, gemm,
+                   dict(gemm_k, **shape, BLOCK_N=ntconv_gemm.block_n(shape["N"], 128), HAS_BIAS=name == "gemm_y",
+                        HAS_MUL=name == "gemm_du"))
+              for name, shape in (("gemm_y", gemm_y), ("gemm_do", gemm_do), ("gemm_du", gemm_du),
+                                  ("gemm_d_edge", gemm_edge))]
     for heads, dim in ((16, 32), (1, 256)):
         be, bh, bd = ntconv_reduce.tile_shape(heads, dim)
         specs.append(Spec(f"gate H{heads} D{dim}", ntconv_reduce._gate_kernel,
