@@ -64,6 +64,8 @@ export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PER
 declare -A LIMITS=([warm]="45 20" [layer]="100 40" [steps]="40 20" [powerlaw]="90 50" [roofline]="45 15"
                    [tune]="45 15" [op]="150 40" [ncu]="260 100")
 ORDER=(warm layer steps powerlaw roofline tune op ncu)
+# each stage's log number (tune's is 7 although it runs before op, so that the older logs keep theirs)
+declare -A NUMBER=([warm]=w [layer]=1 [steps]=2 [powerlaw]=3 [roofline]=4 [tune]=7 [op]=5 [ncu]=6)
 export GPU_NCU_VARIANTS=${GPU_NCU_VARIANTS:-fused,fused:stream}
 DRY_SCALE=1  # 5 in a dry run on the CPU
 
@@ -211,9 +213,8 @@ if [ "${STATUS[env]}" != ok ]; then
   echo "gpu_perf: stage 0 failed; stopping" | tee -a "$OUT/0-env.log"
   exit 1
 fi
-for entry in w:warm 1:layer 2:steps 3:powerlaw 4:roofline 7:tune 5:op 6:ncu; do  # ORDER, with the logs' numbers
-  stage=${entry#*:}
-  selected "$stage" && run_stage "${entry%%:*}" "$stage" "$(limit_of "$stage")" "stage_$stage"
+for stage in "${ORDER[@]}"; do
+  selected "$stage" && run_stage "${NUMBER[$stage]}" "$stage" "$(limit_of "$stage")" "stage_$stage"
 done
 cat "$WORK/logs/perf-table.txt"
 echo "gpu_perf: done in $(elapsed) s"

@@ -314,6 +314,17 @@ def prologue(qkv, z_out, jac_out, p, chunk, seg_of_row, dot_prec, bf16_emu):
         BF16_EMU=bf16_emu, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
+def gemm_shape(use: str, channels: int, out_channels: int = 0, edge_dim: int = 0) -> dict:
+    """The sizes and strides (rows_gemm's keywords; _rows_gemm_kernel's constexprs) of one use of the row
+    GEMM: y = o·w_outᵀ, do = dy·w_out, du = dqkv·w_qkv (dqkv read as its three (R, C) parts), d_edge =
+    du·w_edge."""
+    c = channels
+    return {"y": dict(k=c, n=out_channels, a_split=c, a_row=c, w_k=1, w_n=c),
+            "do": dict(k=out_channels, n=c, a_split=out_channels, a_row=out_channels, w_k=c, w_n=1),
+            "du": dict(k=3 * c, n=c, a_split=c, a_row=c, w_k=c, w_n=1),
+            "d_edge": dict(k=c, n=edge_dim, a_split=c, a_row=c, w_k=edge_dim, w_n=1)}[use]
+
+
 def rows_gemm(out, a, w, *, rows, k, n, a_split, a_part, a_row, w_k, w_n, bias=None, mul=None,
               dot_prec="ieee", bf16_emu=False):
     """out (rows, n) = A · W (+ bias) (* mul) with the stride pattern of ``_rows_gemm_kernel``."""

@@ -66,7 +66,7 @@ from torch.library import register_kernel
 from nt_kernels.backends import performer_gemm
 from nt_kernels.backends.triton.common import device_arch
 from nt_kernels.backends.triton.ntconv_checks import ARG_NAMES, Problem, problem
-from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, prologue, rows_gemm
+from nt_kernels.backends.triton.ntconv_gemm import du_and_centre, fused_centre, gemm_shape, prologue, rows_gemm
 from nt_kernels.backends.triton.ntconv_igrad import input_grad_split, input_split_ok
 from nt_kernels.backends.triton.ntconv_grad import (GRAD_CENTRE_A, GRAD_CENTRE_B, GRAD_GATED_SUM, GRAD_MAX,
                                                     GRAD_MEAN, GRAD_SOFTMAX, GRAD_SUM, SPLIT_MIN_ARCH, SPLIT_WARPS,
@@ -189,8 +189,8 @@ def _messages(p: Problem, chunk, seg_of_row, lse, *, store_z: bool, project: boo
         return None, o, q, k, v, z, jac, state
     y = torch.empty((rows, p.out_channels), dtype=p.dtype, device=p.device)
     c = p.channels
-    rows_gemm(y, o, p.w_out, rows=rows, k=c, n=p.out_channels, a_split=c, a_part=0, a_row=c, w_k=1, w_n=c,
-              bias=p.b_out, dot_prec=prec, bf16_emu=emu)
+    rows_gemm(y, o, p.w_out, rows=rows, a_part=0, **gemm_shape("y", c, p.out_channels), bias=p.b_out,
+              dot_prec=prec, bf16_emu=emu)
     return y, o, q, k, v, z, jac, state
 
 
@@ -322,8 +322,8 @@ def _message_grad(p: Problem, chunk, y, o, seg_of_row, saved: Saved):
         message_grad(dy, y, _grad_mode(p), p, chunk, saved, seg_of_row, do=grad_do)
     if not fuse:
         c_out = p.out_channels
-        rows_gemm(do, dy, p.w_out, rows=chunk.rows, k=c_out, n=p.channels, a_split=c_out, a_part=0, a_row=c_out,
-                  w_k=p.channels, w_n=1, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+        rows_gemm(do, dy, p.w_out, rows=chunk.rows, a_part=0, **gemm_shape("do", p.channels, c_out),
+                  dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
     return dy, do
 
 
@@ -374,8 +374,8 @@ def _du(p: Problem, chunk, du, dqkv, jac, seg_of_row, d_centre) -> None:
     if fused_centre(c):
         du_and_centre(du, dqkv, jac, p, chunk, seg_of_row, d_centre)
         return
-    rows_gemm(du, dqkv, p.w_qkv, rows=chunk.rows, k=3 * c, n=c, a_split=c, a_part=chunk.part_rows * c, a_row=c,
-              w_k=c, w_n=1, mul=jac, dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
+    rows_gemm(du, dqkv, p.w_qkv, rows=chunk.rows, a_part=chunk.part_rows * c, **gemm_shape("du", c), mul=jac,
+              dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
     if d_centre is not None:
         segment_sum(d_centre, du, chunk, c)
 
@@ -411,7 +411,7 @@ def _input_grads(p: Problem, chunk, g: Grads, dqkv, z, jac, seg_of_row, design: 
                      index=p.perm, row0=chunk.row0)
         if g.edge_attr is not None:  # d_edge_attr[perm[r]] = du[r] · w_edge, written once per row
             d_edge = torch.empty((rows, f), dtype=g.edge_attr.dtype, device=p.device)
-            rows_gemm(d_edge, du, p.w_edge, rows=rows, k=c, n=f, a_split=c, a_part=0, a_row=c, w_k=f, w_n=1,
+            rows_gemm(d_edge, du, p.w_edge, rows=rows, a_part=0, **gemm_shape("d_edge", c, edge_dim=f),
                       dot_prec=p.dot_prec, bf16_emu=p.bf16_emu)
             g.edge_attr.index_copy_(0, p.perm[chunk.row0:chunk.row1], d_edge)
 

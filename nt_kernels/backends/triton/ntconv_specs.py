@@ -162,16 +162,13 @@ def compile_specs(dtype: str) -> list[Spec]:
     gemm_k = dict(base, BLOCK_K=ntconv_gemm.BLOCK_K)
     specs = _plan_specs(dtype, t, base)
     # The row GEMM's four uses at the tolokers preset (C = 60, gated: C_out = 120) and d_edge at C = 64, F = 32,
-    # with the sizes and strides the op passes (ntconv_op.py).
-    gemm_y = dict(K=60, N=120, A_SPLIT=60, A_ROW=60, W_K=1, W_N=60)
-    gemm_do = dict(K=120, N=60, A_SPLIT=120, A_ROW=120, W_K=60, W_N=1)
-    gemm_du = dict(K=180, N=60, A_SPLIT=60, A_ROW=60, W_K=60, W_N=1)
-    gemm_edge = dict(K=64, N=32, A_SPLIT=64, A_ROW=64, W_K=32, W_N=1)
-    specs += [Spec(name, ntconv_gemm._rows_gemm_kernel, gemm,
-                   dict(gemm_k, **shape, BLOCK_N=ntconv_gemm.block_n(shape["N"], 128), HAS_BIAS=name == "gemm_y",
-                        HAS_MUL=name == "gemm_du"))
-              for name, shape in (("gemm_y", gemm_y), ("gemm_do", gemm_do), ("gemm_du", gemm_du),
-                                  ("gemm_d_edge", gemm_edge))]
+    # with the sizes and strides the op passes (ntconv_gemm.gemm_shape).
+    for use, (channels, out_channels, edge_dim) in {"y": (60, 120, 0), "do": (60, 120, 0), "du": (60, 0, 0),
+                                                    "d_edge": (64, 0, 32)}.items():
+        shape = ntconv_gemm.gemm_shape(use, channels, out_channels, edge_dim)
+        specs.append(Spec(f"gemm_{use}", ntconv_gemm._rows_gemm_kernel, gemm,
+                          dict(gemm_k, **{key.upper(): value for key, value in shape.items()},
+                               BLOCK_N=ntconv_gemm.block_n(shape["n"], 128), HAS_BIAS=use == "y", HAS_MUL=use == "du")))
     for heads, dim in ((16, 32), (1, 256)):
         be, bh, bd = ntconv_reduce.tile_shape(heads, dim)
         specs.append(Spec(f"gate H{heads} D{dim}", ntconv_reduce._gate_kernel,
