@@ -193,6 +193,29 @@ def test_stage_3_watchdog_ends_a_hung_test_and_the_rest_run(tmp_path):
     assert sum(f.startswith("[crashed] test_hung.py::test_rows[1]") for f in summary["failed"]) == 1
 
 
+def test_sanitizer_summaries_count_reports_not_summary_lines(tmp_path):
+    """gpu_check_summary.sanitizer_runs: racecheck's summary line ("RACECHECK SUMMARY", H200 2026-11-28c) is its
+    summary, not an error report; a hazard line is one."""
+    (tmp_path / "logs").mkdir()
+    banner = "========= COMPUTE-SANITIZER\n"
+    (tmp_path / "logs" / "sanitize-racecheck.log").write_text(
+        banner + "performer flash torch.bfloat16: segments of [0, 1] rows\n"
+        "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+    (tmp_path / "logs" / "sanitize-memcheck.log").write_text(
+        banner + "========= Invalid __global__ read of size 4 bytes\n========= ERROR SUMMARY: 1 error\n")
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    try:
+        import gpu_check_summary
+    finally:
+        sys.path.pop(0)
+    runs = gpu_check_summary.sanitizer_runs(str(tmp_path))
+    assert runs["racecheck"]["summary"].startswith("========= RACECHECK SUMMARY: 0 hazards")
+    assert runs["racecheck"]["errors_reported"] == 0
+    assert runs["racecheck"]["workloads_started"] == ["performer flash torch.bfloat16: segments of [0, 1] rows"]
+    assert runs["memcheck"] == {"summary": "========= ERROR SUMMARY: 1 error", "errors_reported": 1,
+                                "workloads_started": []}
+
+
 def test_stage_3_runs_the_tests_longest_first_by_earlier_runs(tmp_path):
     """gpu_pytest_stream.py with GPU_TESTS_DURATIONS: the recorded seconds order the tests (later files win);
     a test no run recorded counts 100 s in test_mutants.py, 1 s elsewhere; the sort is stable."""

@@ -57,18 +57,21 @@ def test_where_the_stream_design_applies():
     assert ntconv_stream.stream_tiles(30) == (16, 32) and ntconv_stream.stream_tiles(4) == (16, 16)
 
 
-@pytest.mark.parametrize("design", ["0", "1", "stream"])
-def test_the_stream_design_is_opt_in_and_runs_its_kernels(design, monkeypatch):
-    """By default the stored path; NT_KERNELS_NTCONV_RECOMPUTE=1 the one-pass kernels; =stream the streaming
-    kernels (gated_sum in bf16 without edge features: all three), each within the accuracy rule."""
+@pytest.mark.parametrize("design", [None, "0", "1", "stream"], ids=["default", "stored", "recompute", "stream"])
+def test_each_backward_design_runs_its_kernels(design, monkeypatch):
+    """By default (as NT_KERNELS_NTCONV_RECOMPUTE=stream) the streaming kernels (gated_sum in bf16 without edge
+    features: all three); =0 the stored path; =1 the one-pass kernels; each within the accuracy rule."""
     calls = _spy(monkeypatch)
-    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", design)
+    if design is None:
+        monkeypatch.delenv("NT_KERNELS_NTCONV_RECOMPUTE", raising=False)
+    else:
+        monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", design)
     case = low_precision_case("gated_sum", autocast=False)
     case.tensors["edge_attr"] = case.tensors["w_edge"] = None
     run_low_precision(case, autocast=False, aggr="gated_sum", gate_group="receiver", threshold=THRESHOLD,
                       dropout=0.2, seed=6)
     assert set(calls) == {"0": {"message_grad", "du_and_centre"}, "1": {"message_grad_split", "input_grad_split"},
-                          "stream": set(STREAM_KERNELS)}[design]
+                          "stream": set(STREAM_KERNELS), None: set(STREAM_KERNELS)}[design]
 
 
 def test_an_unknown_design_is_an_error(monkeypatch):

@@ -22,15 +22,16 @@ __device__ __forceinline__ int query_backward_rows(const Geometry& g, const FlDi
       load_row_frags<T, DHT>(g, d, warp_rows(a.x, raw, d.raw_ld, row0, nrows, g.heads, h, d.dim, a.vec_x));
   const WarpRows<T> wg = warp_rows(a.y, raw + FL_WARP_ROWS * d.raw_ld, d.raw_ld, row0, nrows, g.heads, h, d.dim,
                                    a.vec_y);
-  float hv[2 * DHT][4], mrow[2], den[2], lam[2];
+  float hv[2 * DHT][4], mrow[2], den[2], lam[2], hd[2];
   query_outputs<T, DHT>(g, d, s.ps, s.ws, s.zs, q, hv, mrow);
   denominators<DHT>(d, hv, den);
-  const int le = output_grads<T, DHT>(d, wg, hv, den, lam);
+  const int le = output_grads<T, DHT>(d, wg, hv, den, lam, hd);
   const float inv_l = le == INT_MIN ? 0.f : ldexpf(1.f, -le);
+  // The gradient sums take h' whole; dp = h' W'^T takes its D column in fp32 (below), so the mma's
+  // A operand has that column zeroed.
   AFrag<T> hp[DHT];
 #pragma unroll
   for (int n = 0; n < DHT; ++n) {
-    hp[n] = a_from_tiles<T>(hv[2 * n], hv[2 * n + 1]);
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi)
 #pragma unroll
@@ -38,6 +39,10 @@ __device__ __forceinline__ int query_backward_rows(const Geometry& g, const FlDi
         if (n < d.dht)
           store_pair(gs + (FL_WARP_ROWS * w + gq + 8 * hi) * d.ld_h + FL_FRAG * n + 8 * k + 2 * t,
                      hv[2 * n + k][2 * hi], hv[2 * n + k][2 * hi + 1]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (FL_FRAG * n + 8 * (i >> 2) + 2 * t + (i & 1) == d.dim) hv[2 * n + (i >> 2)][i & 3] = 0.f;
+    hp[n] = a_from_tiles<T>(hv[2 * n], hv[2 * n + 1]);
   }
   float acc[2 * DHT][4] = {}, tsum[2] = {0.f, 0.f};
 #pragma unroll 1
@@ -69,6 +74,14 @@ __device__ __forceinline__ int query_backward_rows(const Geometry& g, const FlDi
             mma(dp[b][0], hp[n], wb[0]);
             mma(dp[b][1], hp[n], wb[1]);
           }
+        // dp += hd W'[:, D] in fp32: g.W'_f and (g.o) W'_f[D] cancel (exactly for m = 1), so -g.o rounded
+        // to T would leave 2^-9 |g.o| W'_f[D] of noise in dq (H200 2026-11-28c: D = 1 bf16, 1.5x the bound)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int f = feature_of(fb + b, e >> 2, e);
+          float& v = dp[b][e >> 2][e & 3];
+          if (f < d.m) v = fmaf(hd[(e >> 1) & 1], to_float(s.ws[f * d.ld_h + d.dim]), v);
+        }
       }
     feature_grads<T, DHT>(d, s.ps, fb, u, dp, lam, tsum, acc);
   }

@@ -87,10 +87,11 @@ __device__ __forceinline__ void query_forward_tile(const Geometry& g, const FlDi
 
 // h' (C tiles over D + 1 columns, rounded to T) and lambda of the warp's rows from o' and g:
 // h = (g, -g.o) times the power of two sc that brings it into [-1, 1], lambda = 1 / (sc o'[D])
-// (0 for rows past nrows).  Returns the warp's exponent le with lambda <= 2^le (INT_MIN: none).
+// (0 for rows past nrows), and hd = -g.o sc of the rows in fp32 (h's last column unrounded).
+// Returns the warp's exponent le with lambda <= 2^le (INT_MIN: none).
 template <typename T, int DHT>
 __device__ __forceinline__ int output_grads(const FlDims& d, const WarpRows<T>& wg, float (&o)[2 * DHT][4],
-                                            const float (&den)[2], float (&lam)[2]) {
+                                            const float (&den)[2], float (&lam)[2], float (&hd)[2]) {
   float go[2] = {0.f, 0.f}, gmax[2] = {0.f, 0.f};
 #pragma unroll
   for (int s = 0; s < DHT; ++s) {
@@ -113,6 +114,7 @@ __device__ __forceinline__ int output_grads(const FlDims& d, const WarpRows<T>& 
     go[hi] = quad_sum(go[hi]);
     sc[hi] = performer_tc::pow2_scale(fmaxf(quad_max(gmax[hi]), fabsf(go[hi])));
     lam[hi] = (hi ? wg.ok1 : wg.ok0) ? 1.f / (sc[hi] * den[hi]) : 0.f;
+    hd[hi] = -go[hi] * sc[hi];
   }
 #pragma unroll
   for (int n = 0; n < 2 * DHT; ++n)

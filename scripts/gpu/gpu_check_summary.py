@@ -19,7 +19,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_triton  # noqa: E402
 
-ERROR_LINE = re.compile(r"^========= (?!COMPUTE-SANITIZER|ERROR SUMMARY|Target application)[A-Z]")
+# a report line of a sanitizer; not its banner, its summary (racecheck: "RACECHECK SUMMARY") or its target line
+SUMMARY_LINE = re.compile(r"^========= (ERROR|RACECHECK) SUMMARY")
+ERROR_LINE = re.compile(r"^========= (?!COMPUTE-SANITIZER|ERROR SUMMARY|RACECHECK SUMMARY|Target application)[A-Z]")
 WORKLOAD_LINE = re.compile(r"^(performer|fused) \S")
 
 
@@ -73,7 +75,7 @@ def sanitizer_runs(work: str) -> dict:
     sanitize = {}
     for path in sorted(glob.glob(f"{work}/logs/sanitize-*.log")):
         lines = open(path, errors="replace").read().splitlines()
-        summary = [line.strip() for line in lines if "ERROR SUMMARY" in line]
+        summary = [line.strip() for line in lines if SUMMARY_LINE.match(line)]
         sanitize[os.path.basename(path)[len("sanitize-"):-len(".log")]] = {
             "summary": summary[-1] if summary else None,
             "errors_reported": sum(bool(ERROR_LINE.match(line)) for line in lines),

@@ -15,8 +15,8 @@
 #               ahead in 8 processes (scripts/gpu/gpu_triton.py warm; powerlaw at 2M messages)
 #   1 layer     tolokers training step (released preset; GPU_PERF_LAYER_GRAPHS, e.g.
 #               tolokers,minesweeper, for more graphs), bf16 autocast, each variant of
-#               GPU_PERF_LAYER_VARIANTS (default fused,fused:recompute,fused:stream,unfused: the fused layer
-#               on its default, its opt-in recompute path and streaming design, and unfused; "released" is
+#               GPU_PERF_LAYER_VARIANTS (default fused,fused:stored,unfused: the fused layer on its default
+#               backward (streaming with 16-bit parameters), on its stored path, and unfused; "released" is
 #               the paper's released layer, unfused with Algorithm 1's padded groups): 3 warm-up + 5 timed steps
 #               each, then one step under torch.profiler with the 15 most expensive GPU kernels of
 #               each (scripts/gpu/gpu_profile.py); a variant past GPU_PERF_VARIANT_TIMEOUT (default 45 s:
@@ -54,7 +54,7 @@ source "$(dirname "$0")/gpu_perf_ncu.sh"  # stage_ncu
 gpu_setup "${GPU_WORK:-/tmp/nt-gpu-perf}"
 GPU_PERF=${GPU_PERF:-layer,steps,powerlaw,roofline,tune,op,ncu}
 BUDGET=${GPU_PERF_BUDGET:-520}
-export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:recompute,fused:stream,unfused}
+export GPU_PERF_LAYER_VARIANTS=${GPU_PERF_LAYER_VARIANTS:-fused,fused:stored,unfused}
 export GPU_PERF_LAYER_GRAPHS=${GPU_PERF_LAYER_GRAPHS:-tolokers} GPU_PERF_VARIANT_TIMEOUT=${GPU_PERF_VARIANT_TIMEOUT:-45}
 export DEADLINE=$(( START + BUDGET )) GPU_PERF_OP_BACKENDS=${GPU_PERF_OP_BACKENDS:-fused}
 export GPU_PERF_PERFORMER_BACKENDS=${GPU_PERF_PERFORMER_BACKENDS:-fused} GPU_PERF_PERFORMER_DTYPES=${GPU_PERF_PERFORMER_DTYPES:-} \

@@ -12,7 +12,8 @@ the variants run in this one process, one after the other.
 
 A variant may name environment switches after colons, set while it runs (the op reads both at
 every call): ``:recompute`` (``NT_KERNELS_NTCONV_RECOMPUTE=1``, the fused layer's opt-in sm_90
-recompute path), ``:stream`` (``NT_KERNELS_NTCONV_RECOMPUTE=stream``, its opt-in streaming design, issue 40),
+recompute path), ``:stream`` (``NT_KERNELS_NTCONV_RECOMPUTE=stream``, its streaming design, issue 40: the
+default since the H200 run of 2026-11-28c), ``:stored`` (``NT_KERNELS_NTCONV_RECOMPUTE=0``, the stored path),
 ``:pipe`` (``NT_KERNELS_NTCONV_REDUCE=pipe``, the pipelined segmented reductions, issue 40) and ``:tc`` /
 ``:simt`` / ``:flash`` / ``:gemm`` (``NT_KERNELS_PERFORMER``: the CUDA Performer kernels, or
 ``performer-gemm``, the library-GEMM yardstick),
@@ -86,6 +87,7 @@ def kernel_table(prof, device: torch.device, top: int) -> tuple[list[dict], floa
 
 
 SWITCHES = {"recompute": ("NT_KERNELS_NTCONV_RECOMPUTE", "1"), "stream": ("NT_KERNELS_NTCONV_RECOMPUTE", "stream"),
+            "stored": ("NT_KERNELS_NTCONV_RECOMPUTE", "0"),
             "tc": ("NT_KERNELS_PERFORMER", "tc"), "simt": ("NT_KERNELS_PERFORMER", "simt"),
             "flash": ("NT_KERNELS_PERFORMER", "flash"), "gemm": ("NT_KERNELS_PERFORMER", "gemm"),
             "pipe": ("NT_KERNELS_NTCONV_REDUCE", "pipe")}

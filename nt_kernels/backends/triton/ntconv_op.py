@@ -38,16 +38,18 @@ dy and du are stored in the parameters' dtype too (the autocast dtype under
 autocast: half the bytes of fp32); the arithmetic on them (GELU, dropout, gates, reductions, the
 gradient accumulators) is fp32.
 
-The recompute paths (sm_90, 16-bit parameters: the forward's projection with the
+The backward has three designs (``NT_KERNELS_NTCONV_RECOMPUTE``).  The default,
+``stream`` (issue 40; 16-bit parameters on any device, where its tiles fit): the
+streaming kernels of ntconv_stream.py, which recompute y and z per tile with
+nothing carried across tiles and store dy and z once for the split-K weight
+gradients; on the H200 (2026-11-28c, tolokers, bf16) its step took 49.8 ms in
+1,566 MiB against the stored path's 53.5 ms in 1,950 MiB.  ``0``: the stored
+path (y, dy, z and dz/du stored), what every other configuration (float32
+parameters, shapes the streaming tiles do not fit) runs.  ``1``, opt-in: the
+recompute paths (sm_90, 16-bit parameters: the forward's projection with the
 gates, the message gradient from o, the one-pass input gradients; y, dy, z and
-dz/du never stored) are opt-in: ``NT_KERNELS_NTCONV_RECOMPUTE=1``.  On their
-first GPU run (one H200, docs/results.md) they used 0.68x the stored path's peak
-memory but made the tolokers step 7 % slower, so by default the op stores y, dy,
-z and dz/du everywhere (the stored path).  A third design, also opt-in
-(``NT_KERNELS_NTCONV_RECOMPUTE=stream``, issue 40; 16-bit parameters on any
-device): the streaming kernels of ntconv_stream.py, which recompute y and z
-per tile with nothing carried across tiles and store dy and z once for the
-split-K weight gradients.
+dz/du never stored), 0.68x the stored path's peak memory but a 7 % slower
+tolokers step on their first GPU run (one H200, docs/results.md).
 
 The implementations are plain functions (registered for CUDA by
 :func:`register`).  On CPU tensors under ``TRITON_INTERPRET=1`` the tests call
@@ -199,13 +201,14 @@ STORED, SPLIT, STREAM = "stored", "split", "stream"
 
 def _sm90_paths(p: Problem) -> tuple[str, str]:
     """The backward's design for this layer, dtype and device: (the message gradient, the input gradients),
-    each STORED (y, dy, z and dz/du stored: the default), SPLIT (the recompute path's one-pass kernels with
-    their split-K sums, ntconv_grad._message_grad_split_kernel and ntconv_igrad.py, where they apply: sm_90,
-    16-bit parameters; NT_KERNELS_NTCONV_RECOMPUTE=1, opt-in: slower than the stored path on the first H200
-    run) or STREAM (the streaming kernels of ntconv_stream.py with the split-K weight gradients, where they
-    apply: 16-bit parameters on any device; NT_KERNELS_NTCONV_RECOMPUTE=stream, opt-in: not yet run on a GPU).  SPLIT and
-    STREAM message gradients also give the forward's y from o on their own tiles."""
-    design = os.environ.get("NT_KERNELS_NTCONV_RECOMPUTE", "0")
+    each STREAM (the streaming kernels of ntconv_stream.py with the split-K weight gradients, where they
+    apply: 16-bit parameters on any device; the default, NT_KERNELS_NTCONV_RECOMPUTE=stream: faster than the
+    stored path on the H200 of 2026-11-28c), STORED (y, dy, z and dz/du stored: NT_KERNELS_NTCONV_RECOMPUTE=0,
+    and wherever STREAM does not apply) or SPLIT (the recompute path's one-pass kernels with their split-K
+    sums, ntconv_grad._message_grad_split_kernel and ntconv_igrad.py, where they apply: sm_90, 16-bit
+    parameters; NT_KERNELS_NTCONV_RECOMPUTE=1, opt-in: slower than the stored path on the first H200 run).
+    SPLIT and STREAM message gradients also give the forward's y from o on their own tiles."""
+    design = os.environ.get("NT_KERNELS_NTCONV_RECOMPUTE", STREAM)
     if design not in ("0", "1", STREAM):
         raise ValueError(f"NT_KERNELS_NTCONV_RECOMPUTE={design!r}: choose 0 (stored), 1 (split) or stream")
     size = p.w_out.element_size()
