@@ -259,12 +259,14 @@ def test_the_recorder_sees_the_syncs_of_a_plan_built_or_parsed_per_call():
 
 
 # ------------------------------------------------------------------ launches
-def test_launches_per_forward_and_backward_on_tolokers():
+@pytest.mark.parametrize("design", ["stream", "0"], ids=["stream", "stored"])
+def test_launches_per_forward_and_backward_on_tolokers(design, monkeypatch):
     """tolokers (1,038,000 messages, one chunk) with its preset (gated_sum, 2 heads of 30, the
-    paper's threshold and m, dropout 0.1) under bfloat16 autocast: at most MAX_LAUNCHES launches per
-    forward + backward, one per reduction (the merge only for lists with split groups), the exact
-    kernels of non-empty classes only, no sync.  The kernels do not run (they would take hours in
-    the interpreter); what launches does not depend on their values."""
+    paper's threshold and m, dropout 0.1) under bfloat16 autocast, on the default streaming backward and
+    on the stored path: at most MAX_LAUNCHES launches per forward + backward, one per reduction (the merge
+    only for lists with split groups), the exact kernels of non-empty classes only, no sync.  The kernels
+    do not run (they would take hours in the interpreter); what launches does not depend on their values."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", design)
     from nt_kernels.data import load_dataset
     from nt_kernels.performer import default_nb_features, switch_threshold
 
@@ -295,8 +297,9 @@ def test_launches_per_forward_and_backward_on_tolokers():
     print(f"tolokers: forward {forward}, forward + backward {rec.summary()}")
     kernels = collections.Counter(config[0] for config, _, _ in rec.triton)
     assert rec.launches <= MAX_LAUNCHES and rec.syncs == []
-    # receivers (forward) and d_receiver_term; d_centre too where du's kernel does not sum it (C > 64)
-    assert kernels["_reduce_kernel"] == (2 if fused_centre(c) else 3)
+    # receivers (forward) and d_receiver_term; d_centre too where du's kernel does not sum it (C > 64 on the
+    # stored path; the streaming design's du kernel never does)
+    assert kernels["_reduce_kernel"] == (2 if fused_centre(c) and design == "0" else 3)
     assert kernels["_merge_kernel"] <= kernels["_reduce_kernel"]
     work = host.chunks[0].exact_work
     assert kernels["_fwd_packed_kernel"] + kernels["_fwd_heads_kernel"] + kernels["_fwd_multi_kernel"] == \
@@ -320,9 +323,12 @@ def test_recorded_launches_do_not_depend_on_running_the_kernels():
     assert ran.launches == recorded.launches > 0
 
 
-def test_one_reduce_launch_per_reduction_and_none_for_an_empty_list():
+@pytest.mark.parametrize("design, per_chunk", [("stream", 3), ("0", 2)], ids=["stream", "stored"])
+def test_one_reduce_launch_per_reduction_and_none_for_an_empty_list(design, per_chunk, monkeypatch):
     """Chunks whose receiver lists hold items of several size classes each: one reduce launch per
-    chunk and reduction, none for a graph without rows."""
+    chunk and reduction, none for a graph without rows.  Per chunk: receivers and d_receiver_term, and
+    d_centre on the streaming design (on the stored path du's kernel sums it)."""
+    monkeypatch.setenv("NT_KERNELS_NTCONV_RECOMPUTE", design)
     layer = Layer(SIZES, aggr="sum", edge_dim=0)
     seed = torch.tensor(1)
     with Recorder(execute=False, host=[seed]) as rec:
@@ -330,7 +336,7 @@ def test_one_reduce_launch_per_reduction_and_none_for_an_empty_list():
     host = _host(layer)
     assert any(len(chunk.receivers.classes()) > 2 for chunk in host.chunks)
     reduces = sum(config[0] == "_reduce_kernel" for config, _, _ in rec.triton)
-    assert reduces == 2 * len(host.chunks)  # receivers and d_receiver_term per chunk (d_centre: du's kernel)
+    assert reduces == per_chunk * len(host.chunks)
     empty = Layer([0, 0, 0], aggr="sum", edge_dim=0)
     with Recorder(execute=False, host=[seed]) as rec:
         empty.step(seed)
