@@ -211,7 +211,7 @@ def query_backward(st: Setup, q, g, wt, zs, sigma, first):
     if st.mutant == ROUNDED_GO:
         dp = st.mm(hp, wt.T)
     else:
-        dp = st.mm(torch.cat([hp[:, :st.dim], torch.zeros_like(go)], 1), wt.T) + (-go * sc) * wt[:, st.dim]
+        dp = st.mm(hp[:, :st.dim], wt[:, :st.dim].T) + (-go * sc) * wt[:, st.dim]
     dq = tiled_input_grad(st, dp * lam * e, q)
     le = warp_exponents(lam[:, 0], q.shape[0])
     inv_l = torch.where(le == -(2 ** 31), 0.0, torch.exp2(-le.clamp(min=-1000).float()))

@@ -77,11 +77,14 @@ __device__ __forceinline__ int query_backward_rows(const Geometry& g, const FlDi
         // dp += hd W'[:, D] in fp32: g.W'_f and (g.o) W'_f[D] cancel (exactly for m = 1), so -g.o rounded
         // to T would leave 2^-9 |g.o| W'_f[D] of noise in dq (H200 2026-11-28c: D = 1 bf16, 1.5x the bound)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int f = feature_of(fb + b, e >> 2, e);
-          float& v = dp[b][e >> 2][e & 3];
-          if (f < d.m) v = fmaf(hd[(e >> 1) & 1], to_float(s.ws[f * d.ld_h + d.dim]), v);
-        }
+        for (int e = 0; e < 8; e += 4)  // W'_f[D] once per feature of the lane, for both its rows
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int f = feature_of(fb + b, e >> 2, j);
+            const float wd = f < d.m ? to_float(s.ws[f * d.ld_h + d.dim]) : 0.f;
+            dp[b][e >> 2][j] = fmaf(hd[0], wd, dp[b][e >> 2][j]);
+            dp[b][e >> 2][j + 2] = fmaf(hd[1], wd, dp[b][e >> 2][j + 2]);
+          }
       }
     feature_grads<T, DHT>(d, s.ps, fb, u, dp, lam, tsum, acc);
   }

@@ -8,8 +8,9 @@ run under the sanitizer that finishes also says whether the numbers were right:
   neighbourhoods above the threshold, empty and one-row neighbourhoods, edge features, dropout), every
   aggregator, float32 and bfloat16 parameters (bf16 on both the stored path, ``NT_KERNELS_NTCONV_RECOMPUTE=0``,
   and the streaming design, its default since the H200 run of 2026-11-28c; the opt-in recompute path, ``=1``,
-  was clean under all three tools on the H200 runs of 2026-11-28 to 2026-11-28c), with every floating buffer the op allocates starting as NaN (``torch.empty`` /
-  ``torch.empty_like`` filled), so that a row the kernels leave unwritten shows in the output;
+  was clean under all three tools on the H200 runs of 2026-11-28 to 2026-11-28c), with every floating buffer
+  the op allocates starting as NaN (``torch.empty`` / ``torch.empty_like`` filled), so that a row the kernels
+  leave unwritten shows in the output;
 * ``performer``: ``segment_performer_attention`` forward and backward on segments of 1 to 700 rows (a hub
   split into 256-row chunks) for each implementation: SIMT (``NT_KERNELS_PERFORMER=simt``) in float32,
   bfloat16 and float16, and the tensor-core kernels (``=tc``): WMMA in bfloat16 / float16, 3xTF32 in
