@@ -517,9 +517,9 @@ PIPE_MAX_CHANNELS = 64
 
 def pipelined() -> bool:
     """Whether the segmented reductions run pipelined on a persistent grid: ``NT_KERNELS_NTCONV_REDUCE``
-    ``grid`` (one block of items per program, the default) or ``pipe`` (opt-in until a GPU has timed
-    it; reductions of at most PIPE_MAX_CHANNELS channels, all modes but the softmax); read at each
-    call."""
+    ``grid`` (one block of items per program, the default) or ``pipe`` (opt-in: slower on the H200 of
+    2026-11-28c, 1 CTA per SM; reductions of at most PIPE_MAX_CHANNELS channels, all modes but the
+    softmax); read at each call."""
     design = os.environ.get(REDUCE_ENV, "grid")
     if design not in ("grid", "pipe"):
         raise ValueError(f"{REDUCE_ENV}={design!r}: choose grid or pipe")
